@@ -1,0 +1,118 @@
+"""TreeAttention reference op and the packed-mask format (DESIGN §3, §2).
+
+This module is the single definition of the tree-attention semantics. The ONNX
+export, the CUDA kernel in ``trt_plugins/`` and every test compare against
+:func:`tree_attention`.
+
+Packed mask (TensorRT-LLM's ``spec_decoding_packed_mask``): int32 ``[B, T, W]``
+with ``W = ceil(T / 32)``. Bit ``j % 32`` of word ``j // 32`` in row ``i`` is set
+when in-flight token ``i`` may attend to in-flight token ``j`` (LSB first).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BITS_PER_WORD = 32
+
+
+def num_mask_words(num_tokens: int) -> int:
+    """Words per packed-mask row for ``num_tokens`` in-flight tokens."""
+    return max(1, math.ceil(num_tokens / BITS_PER_WORD))
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a boolean mask into int32 words.
+
+    Args:
+        mask: bool ``[..., T, T]``; ``mask[..., i, j]`` lets token i see token j.
+    Returns:
+        int32 ``[..., T, ceil(T/32)]``. Bit 31 set gives a negative int32
+        (two's complement), exactly as TensorRT-LLM stores it.
+    """
+    *lead, rows, cols = mask.shape
+    words = num_mask_words(cols)
+    padded = torch.zeros(*lead, rows, words * BITS_PER_WORD, dtype=torch.int64, device=mask.device)
+    padded[..., :cols] = mask.to(torch.int64)
+    bit_values = torch.bitwise_left_shift(
+        torch.ones(BITS_PER_WORD, dtype=torch.int64, device=mask.device),
+        torch.arange(BITS_PER_WORD, device=mask.device),
+    )
+    unsigned = (padded.view(*lead, rows, words, BITS_PER_WORD) * bit_values).sum(-1)
+    signed = torch.where(unsigned >= 2**31, unsigned - 2**32, unsigned)
+    return signed.to(torch.int32)
+
+
+def unpack_mask(packed: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`.
+
+    Args:
+        packed: int32 ``[..., T, W]``.
+        num_tokens: T, the number of columns to unpack.
+    Returns:
+        bool ``[..., T, num_tokens]``.
+    """
+    columns = torch.arange(num_tokens, device=packed.device)
+    words = packed.to(torch.int64)[..., columns // BITS_PER_WORD]  # [..., T, num_tokens]
+    return torch.bitwise_and(torch.bitwise_right_shift(words, columns % BITS_PER_WORD), 1).bool()
+
+
+def causal_packed_mask(batch: int, num_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Causal packed mask int32 ``[batch, T, ceil(T/32)]`` for a prompt chunk."""
+    causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).tril()
+    return pack_mask(causal).unsqueeze(0).expand(batch, -1, -1).contiguous()
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    past_lengths: torch.Tensor,
+    packed_mask: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Reference tree attention over a KV cache plus T in-flight tokens.
+
+    Token t of sequence b attends to cache positions ``[0, past_lengths[b])`` and
+    to the in-flight tokens whose bit is set in row t of its packed mask.
+    Grouped-query attention maps query head h to KV head ``h // (Hq // Hkv)``.
+
+    Args:
+        q: ``[B, T, Hq, D]`` queries of the in-flight tokens (RoPE applied).
+        k, v: ``[B, T, Hkv, D]`` keys/values of the in-flight tokens.
+        k_cache, v_cache: ``[B, Hkv, S, D]``; only ``[:, :, :past_lengths[b]]``
+            is read. S may be any size >= max(past_lengths).
+        past_lengths: int ``[B]`` valid cached tokens per sequence.
+        packed_mask: int32 ``[B, T, ceil(T/32)]``.
+        scale: softmax scale, default ``1/sqrt(D)``.
+    Returns:
+        ``[B, T, Hq, D]`` in the dtype of ``q``. Softmax runs in fp32.
+    """
+    batch, num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    past_used = int(past_lengths.max()) if batch else 0
+
+    keys = torch.cat([k_cache[:, :, :past_used], k.transpose(1, 2)], dim=2)  # [B, Hkv, P+T, D]
+    values = torch.cat([v_cache[:, :, :past_used], v.transpose(1, 2)], dim=2)
+    keys = keys.repeat_interleave(group, dim=1).float()  # [B, Hq, P+T, D]
+    values = values.repeat_interleave(group, dim=1).float()
+
+    cache_visible = torch.arange(past_used, device=q.device)[None, :] < past_lengths[:, None].to(q.device)
+    tree_visible = unpack_mask(packed_mask, num_tokens)  # [B, T, T]
+    visible = torch.cat([cache_visible[:, None, :].expand(-1, num_tokens, -1), tree_visible], dim=-1)
+
+    scores = torch.einsum("bthd,bhsd->bhts", q.float(), keys) * scale  # [B, Hq, T, P+T]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A row that sees nothing (only a padded row with an empty mask) gives zeros, not NaN.
+    probs = torch.nan_to_num(probs, nan=0.0)
+    out = torch.einsum("bhts,bhsd->bthd", probs, values)
+    return out.to(q.dtype)

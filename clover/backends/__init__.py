@@ -1,0 +1,1 @@
+"""Engine backends. Each implements the two callables of :mod:`clover.engine`."""

@@ -1,0 +1,91 @@
+"""The torch reference backend (CPU or CUDA).
+
+:class:`TargetStep` and :class:`DraftStep` are plain ``nn.Module`` wrappers
+with the contract's positional tensors, so the same modules are what the ONNX
+exporter traces.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from clover.drafters import Drafter
+from clover.engine import DraftResult, EngineSpec, TargetResult
+from clover.target import LlamaTarget
+
+
+class TargetStep(nn.Module):
+    """Target plus Augmenting Block (a fork beside the last layer, with its own KV layer)."""
+
+    def __init__(self, target: LlamaTarget, drafter: Drafter | None = None) -> None:
+        super().__init__()
+        self.target = target
+        self.augment = drafter.augment if drafter is not None else None
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.target.config.num_layers + (self.augment is not None)
+
+    def forward(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
+        """Shapes as in :meth:`clover.engine.Engine.target`."""
+        num_layers = self.target.config.num_layers
+        out = self.target(input_ids, position_ids, past_lengths, packed_mask, k_cache[:num_layers], v_cache[:num_layers])
+        present_keys, present_values = out.present_keys, out.present_values
+        if self.augment is None:
+            h0 = out.last_hidden
+        else:
+            cos, sin = self.target.rope(position_ids)
+            h0, pk, pv = self.augment(out.last_layer_input, cos, sin, past_lengths, packed_mask,
+                                      k_cache[num_layers], v_cache[num_layers])
+            present_keys, present_values = [*present_keys, pk], [*present_values, pv]
+        return TargetResult(out.logits, h0, present_keys, present_values)
+
+
+class DraftStep(nn.Module):
+    """One draft step with the top-k taken inside, so full logits never leave it."""
+
+    def __init__(self, target: LlamaTarget, drafter: Drafter, top_k: int) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.lm_head = target.lm_head
+        self.top_k = top_k
+
+    def forward(self, hidden, token, head) -> DraftResult:
+        """hidden ``[N, H]``, token int64 ``[N]``, head int64 scalar."""
+        next_hidden, logits = self.drafter.step(hidden, token, head, self.lm_head.weight)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(logprobs, self.top_k, dim=-1)
+        return DraftResult(next_hidden, top.values, top.indices)
+
+
+class TorchEngine:
+    """Runs the two contract callables eagerly with torch."""
+
+    def __init__(self, target: LlamaTarget, drafter: Drafter | None = None, max_seq_len: int = 2048,
+                 draft_top_k: int = 8) -> None:
+        cfg = target.config
+        self.target_step = TargetStep(target, drafter).eval()
+        self.draft = DraftStep(target, drafter, draft_top_k).eval() if drafter is not None else None
+        self.spec = EngineSpec(
+            num_kv_layers=self.target_step.num_kv_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+            max_seq_len=min(max_seq_len, cfg.max_position_embeddings),
+            draft_top_k=draft_top_k,
+            num_draft_heads=drafter.config.num_heads if drafter is not None else 0,
+            drafter_method=drafter.config.method if drafter is not None else None,
+            dtype=target.lm_head.weight.dtype,
+        )
+
+    @torch.inference_mode()
+    def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
+        return self.target_step(input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache)
+
+    @torch.inference_mode()
+    def draft_step(self, hidden, token, head: int) -> DraftResult:
+        if self.draft is None:
+            raise RuntimeError("this engine has no drafter; use method 'vanilla' or pass --drafter")
+        return self.draft(hidden, token, head)

@@ -1,0 +1,208 @@
+"""Configuration dataclasses with JSON round-trip.
+
+* :class:`TargetConfig`: a Llama-family target, read from a Hugging Face ``config.json``.
+* :class:`DrafterConfig`: Clover / Medusa / ablation heads, saved next to their weights.
+* :class:`TreeConfig`: how the token tree is built each step.
+* :class:`SamplingConfig`: greedy or sampled verification.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+DRAFTER_METHODS = ("clover", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment")
+
+
+class ConfigError(ValueError):
+    """A configuration or checkpoint is unsupported or inconsistent."""
+
+
+class _JsonMixin:
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"{cls.__name__}: unknown fields {unknown}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path):
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclasses.dataclass
+class TargetConfig(_JsonMixin):
+    """Shape of a Llama-family decoder (Llama, SmolLM, Mistral, Qwen2)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    architecture: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "TargetConfig":
+        """Build from a Hugging Face ``config.json`` dict; reject what this code cannot run."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture model_type={model_type!r} "
+                f"(architectures={hf.get('architectures')}); Clover supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"unsupported RoPE scaling {rope_type!r}; only the default RoPE is implemented")
+        rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported activation {hf.get('hidden_act')!r}; only silu is implemented")
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
+        if model_type == "qwen2":  # Qwen2: bias on q/k/v only
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            architecture=model_type,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclasses.dataclass
+class DrafterConfig(_JsonMixin):
+    """Draft heads trained on top of one frozen target.
+
+    ``method`` selects the drafter: ``clover`` (Augmenting Block + Attention
+    Decoder + regressive embeddings), ``medusa`` (independent ResBlock heads on
+    the normed last hidden state) or an ablation of Clover:
+    ``clover-mlp-regressive`` (MLP in place of the Attention Decoder),
+    ``clover-no-regressive`` (no token fed back), ``clover-no-augment`` (no
+    Augmenting Block). The ``target_*`` fields record which target the heads
+    belong to, so loading them on another target fails clearly.
+    """
+
+    method: str
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    target_num_layers: int
+    num_attention_heads: int = 1  # Attention Decoder heads
+    init_noise_std: float = 0.01
+    target_fingerprint: str = ""
+    target_architecture: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.method not in DRAFTER_METHODS:
+            raise ConfigError(f"unknown drafter method {self.method!r}; choose one of {', '.join(DRAFTER_METHODS)}")
+        if self.num_heads < 1:
+            raise ConfigError("a drafter needs at least one head")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError("hidden_size must be a multiple of num_attention_heads")
+
+    @property
+    def has_augmenting_block(self) -> bool:
+        return self.method in ("clover", "clover-mlp-regressive", "clover-no-regressive")
+
+    @property
+    def regressive(self) -> str | None:
+        """``attention``, ``mlp`` or None (no regressive connection)."""
+        return {"clover-mlp-regressive": "mlp", "clover-no-regressive": None, "medusa": None}.get(self.method, "attention")
+
+
+@dataclasses.dataclass
+class TreeConfig(_JsonMixin):
+    """Token-tree settings, passed to the decode loop per call (never stored on modules).
+
+    ``budget``: draft nodes per sequence per step, not counting the root.
+    ``depth``: draft depth (<= the drafter's head count); None uses every head.
+    ``top_k``: candidates the draft step returns per frontier node.
+    ``prune_ratio``: drop children whose path probability is below this
+    fraction of the level's best.
+    ``static_choices``: a fixed Medusa-style tree, as paths of candidate ranks
+    (e.g. ``[[0], [1], [0, 0]]``); when given, ``budget`` and pruning are ignored.
+    """
+
+    budget: int = 4
+    depth: int | None = None
+    top_k: int = 8
+    prune_ratio: float = 0.02
+    static_choices: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget < 0:
+            raise ConfigError("tree budget must be >= 0")
+        if self.top_k < 1:
+            raise ConfigError("top_k must be >= 1")
+        if self.static_choices is not None:
+            paths = {tuple(p) for p in self.static_choices}
+            for path in paths:
+                if not path or any(c < 0 for c in path):
+                    raise ConfigError(f"bad static tree path {list(path)}")
+                if len(path) > 1 and path[:-1] not in paths:
+                    raise ConfigError(f"static tree path {list(path)} has no parent {list(path[:-1])}")
+                if max(path) >= self.top_k:
+                    raise ConfigError(f"static tree path {list(path)} needs top_k > {max(path)}")
+
+
+@dataclasses.dataclass
+class SamplingConfig(_JsonMixin):
+    """Per-sequence sampling. ``temperature == 0`` is greedy decoding."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

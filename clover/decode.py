@@ -1,0 +1,340 @@
+"""The decode loop, written once for every backend and method.
+
+:class:`SpeculativeDecoder` keeps a batch of live sequences with a shared
+:class:`~clover.kv_cache.KVCache`. Each :meth:`~SpeculativeDecoder.step`
+prefills newly submitted requests, then runs one decode step for every live
+sequence: build the token trees with the engine's ``draft_step``, verify them in
+one ``target`` pass, write the accepted tokens' K/V, emit tokens, stop
+sequences. New requests join between steps (in-flight batching); finished or
+cancelled ones leave at once. ``vanilla`` is the same loop with root-only trees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable, Iterable
+
+import torch
+
+from clover.attention import causal_packed_mask
+from clover.config import ConfigError, SamplingConfig, TreeConfig
+from clover.engine import Engine
+from clover.kv_cache import KVCache
+from clover.tree import TokenTree, batch_trees, build_trees
+from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
+
+METHODS = ("vanilla", "medusa", "clover")
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """One prompt to continue. ``stop_token_ids`` default to the tokenizer's EOS."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    stop_token_ids: tuple[int, ...] | None = None
+    stop_strings: tuple[str, ...] = ()
+    seed: int = 0
+    request_id: Any = None
+
+
+@dataclasses.dataclass
+class SequenceStats:
+    """num_steps: target passes after the prompt; accepted_per_step: accepted draft
+    tokens per step; depth_tried[d] / depth_accepted[d]: steps whose tree reached
+    depth d+1, and steps that accepted a token there."""
+
+    num_steps: int = 0
+    accepted_per_step: list[int] = dataclasses.field(default_factory=list)
+    depth_tried: list[int] = dataclasses.field(default_factory=list)
+    depth_accepted: list[int] = dataclasses.field(default_factory=list)
+
+    def record(self, tree: TokenTree, accepted: Accepted) -> None:
+        self.num_steps += 1
+        depth_reached, accepted_depth = max(tree.depths), len(accepted.path) - 1
+        self.accepted_per_step.append(accepted_depth)
+        for d in range(depth_reached):
+            if d == len(self.depth_tried):
+                self.depth_tried.append(0)
+                self.depth_accepted.append(0)
+            self.depth_tried[d] += 1
+            self.depth_accepted[d] += d < accepted_depth
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.depth_accepted, self.depth_tried)]
+
+
+@dataclasses.dataclass
+class SequenceResult:
+    request_id: Any
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled"
+    stats: SequenceStats
+    text: str | None = None
+
+    @property
+    def tokens_per_step(self) -> float:
+        """New tokens per target pass after the prompt (the first token comes from the prompt pass)."""
+        return (len(self.token_ids) - 1) / self.stats.num_steps if self.stats.num_steps else 0.0
+
+
+@dataclasses.dataclass
+class StepEvent:
+    """New tokens of one sequence from one :meth:`SpeculativeDecoder.step`."""
+
+    seq_id: int
+    request_id: Any
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+class _Sequence:
+    def __init__(self, seq_id: int, request: GenerationRequest, stop_ids: tuple[int, ...], decode_text) -> None:
+        self.seq_id, self.request = seq_id, request
+        self.stop_ids = set(stop_ids)
+        self.decode_text = decode_text
+        self.generated: list[int] = []
+        self.stats = SequenceStats()
+        self.finish_reason: str | None = None
+        self.generator = torch.Generator().manual_seed(request.seed)
+        self.root_token = -1
+        self.root_hidden: torch.Tensor | None = None
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Append tokens, cutting at EOS, max tokens or a stop string; returns what was kept."""
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            self.generated.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.generated) >= self.request.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        if self.request.stop_strings and self.finish_reason != "stop":
+            cut = self._stop_string_cut(len(self.generated) - len(kept))
+            if cut is not None:
+                kept = kept[: max(0, cut - (len(self.generated) - len(kept)))]
+                del self.generated[cut:]
+                self.finish_reason = "stop"
+        return kept
+
+    def _stop_string_cut(self, checked: int) -> int | None:
+        """Smallest token count whose text contains a stop string (searching new tokens only)."""
+        if not any(s in self.decode_text(self.generated) for s in self.request.stop_strings):
+            return None
+        for n in range(max(1, checked), len(self.generated) + 1):
+            if any(s in self.decode_text(self.generated[:n]) for s in self.request.stop_strings):
+                return n
+        return len(self.generated)
+
+    def result(self) -> SequenceResult:
+        text = None
+        if self.decode_text is not None:
+            text = self.decode_text(self.generated, skip_special_tokens=True)
+            for stop in self.request.stop_strings:
+                if stop in text:
+                    text = text[: text.index(stop)]
+        return SequenceResult(self.request.request_id, self.request.prompt_ids, list(self.generated),
+                              self.finish_reason or "length", self.stats, text)
+
+
+class SpeculativeDecoder:
+    """Batched speculative (or vanilla) decoding on one engine.
+
+    Args:
+        engine: anything implementing :class:`clover.engine.Engine`.
+        method: ``vanilla``, ``medusa`` or ``clover``; the speculative methods need
+            an engine whose drafter is of that family.
+        tree: tree settings (default: dynamic tree, budget 4).
+        tokenizer: a transformers tokenizer, for EOS, stop strings and text.
+        max_batch_size: live sequences at most; later requests wait.
+    """
+
+    def __init__(self, engine: Engine, method: str = "clover", tree: TreeConfig | None = None,
+                 tokenizer=None, max_batch_size: int = 64) -> None:
+        spec = engine.spec
+        if method not in METHODS:
+            raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if method != "vanilla":
+            if not spec.num_draft_heads:
+                raise ConfigError(f"method {method!r} needs draft heads; pass a drafter or use --method vanilla")
+            family = "medusa" if spec.drafter_method == "medusa" else "clover"
+            if family != method:
+                raise ConfigError(f"method {method!r} does not match the engine's {spec.drafter_method!r} drafter")
+        self.engine, self.method = engine, method
+        self.tree = tree or TreeConfig()
+        if self.tree.top_k > spec.draft_top_k and method != "vanilla":
+            raise ConfigError(f"tree top_k {self.tree.top_k} exceeds the engine's draft top-k {spec.draft_top_k}")
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype)
+        self._ids = itertools.count()
+        self._pending: list[_Sequence] = []
+        self._running: list[_Sequence] = []  # index == cache row
+        self._cancelled: set[int] = set()
+        max_tree = len(self.tree.static_choices) if self.tree.static_choices is not None else self.tree.budget
+        self._max_step_tokens = 1 + (max_tree if method != "vanilla" else 0)
+
+    # -- public API -------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> int:
+        """Queue a request; it is prefilled at the next :meth:`step`. Returns its sequence id."""
+        if not request.prompt_ids:
+            raise ValueError("empty prompt")
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if len(request.prompt_ids) + 1 > self.engine.spec.max_seq_len:
+            raise ValueError(f"prompt of {len(request.prompt_ids)} tokens does not fit the context "
+                             f"of {self.engine.spec.max_seq_len} tokens")
+        stop_ids = request.stop_token_ids
+        if stop_ids is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            stop_ids = () if eos is None else (eos,)
+        decode_text = self.tokenizer.decode if self.tokenizer is not None else None
+        if request.stop_strings and decode_text is None:
+            raise ValueError("stop strings need a tokenizer")
+        seq = _Sequence(next(self._ids), request, tuple(stop_ids), decode_text)
+        self._pending.append(seq)
+        return seq.seq_id
+
+    def cancel(self, seq_id: int) -> None:
+        """Stop a sequence; it leaves the batch at the next step."""
+        self._cancelled.add(seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._pending or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def step(self) -> list[StepEvent]:
+        """Admit and prefill waiting requests, then one decode step for all live sequences."""
+        events = self._drop_cancelled()
+        room = self.max_batch_size - len(self._running)
+        if room > 0 and self._pending:
+            admitted, self._pending = self._pending[:room], self._pending[room:]
+            events += self._prefill(admitted)
+        if self._running:
+            events += self._decode_step()
+        return events
+
+    def generate(self, requests: Iterable[GenerationRequest],
+                 on_event: Callable[[StepEvent], None] | None = None) -> list[SequenceResult]:
+        """Run requests to completion; results in request order."""
+        order = [self.submit(r) for r in requests]
+        done: dict[int, SequenceResult] = {}
+        sequences = {s.seq_id: s for s in self._pending}
+        while self.has_work:
+            for event in self.step():
+                if on_event is not None:
+                    on_event(event)
+                if event.finished:
+                    done[event.seq_id] = sequences[event.seq_id].result()
+        return [done[i] for i in order]
+
+    def result(self, seq_id: int) -> SequenceResult:
+        for seq in (*self._running, *self._pending):
+            if seq.seq_id == seq_id:
+                return seq.result()
+        raise KeyError(seq_id)
+
+    # -- internals --------------------------------------------------------
+
+    def _drop_cancelled(self) -> list[StepEvent]:
+        if not self._cancelled:
+            return []
+        events = []
+        for seq in [s for s in (*self._pending, *self._running) if s.seq_id in self._cancelled]:
+            seq.finish_reason = "cancelled"
+            events.append(StepEvent(seq.seq_id, seq.request.request_id, [], True, "cancelled"))
+        self._pending = [s for s in self._pending if s.seq_id not in self._cancelled]
+        self._remove([i for i, s in enumerate(self._running) if s.seq_id in self._cancelled])
+        self._cancelled.clear()
+        return events
+
+    def _remove(self, rows: list[int]) -> None:
+        if rows:
+            self.cache.remove_rows(rows)
+            self._running = [s for i, s in enumerate(self._running) if i not in set(rows)]
+
+    def _prefill(self, seqs: list[_Sequence]) -> list[StepEvent]:
+        """One causal pass over the new prompts (right-padded); emits each first token."""
+        lengths = torch.tensor([len(s.request.prompt_ids) for s in seqs])
+        batch, width = len(seqs), int(lengths.max())
+        input_ids = torch.zeros(batch, width, dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            input_ids[i, : lengths[i]] = torch.tensor(seq.request.prompt_ids)
+        position_ids = torch.arange(width).expand(batch, -1).contiguous()
+        new_rows = self.cache.add_rows(batch)
+        rows = slice(new_rows.start, new_rows.stop)
+        k_cache, v_cache = self.cache.views(rows)
+        result = self.engine.target(input_ids, position_ids, torch.zeros(batch, dtype=torch.int32),
+                                    causal_packed_mask(batch, width), k_cache, v_cache)
+        self.cache.commit(result.present_keys, result.present_values,
+                          torch.arange(width).expand(batch, -1), lengths, rows=rows)
+        self._running.extend(seqs)
+        last = lengths - 1
+        events = []
+        for i, seq in enumerate(seqs):
+            token = sample_token(result.logits[i, last[i]], seq.request.sampling, seq.generator)
+            seq.root_token = token
+            seq.root_hidden = result.h0[i, last[i]].clone()
+            events.append(self._event(seq, seq.emit([token])))
+        self._remove([new_rows.start + i for i, s in enumerate(seqs) if s.finish_reason])
+        return events
+
+    def _decode_step(self) -> list[StepEvent]:
+        seqs = self._running
+        # a sequence whose next tree could overflow the cache ends here
+        full = [i for i, s in enumerate(seqs)
+                if int(self.cache.lengths[i]) + self._max_step_tokens > self.cache.max_seq_len]
+        events = []
+        for i in full:
+            seqs[i].finish_reason = "length"
+            events.append(self._event(seqs[i], []))
+        self._remove(full)
+        seqs = self._running
+        if not seqs:
+            return events
+
+        roots = [s.root_token for s in seqs]
+        if self.method == "vanilla":
+            trees = [TokenTree.root(t) for t in roots]
+        else:
+            trees = build_trees(self.engine.draft_step, torch.stack([s.root_hidden for s in seqs]), roots,
+                                self.tree, self.engine.spec.num_draft_heads)
+        batch = batch_trees(trees)
+        past = self.cache.lengths.clone()
+        k_cache, v_cache = self.cache.views()
+        result = self.engine.target(batch.input_ids, past[:, None].long() + batch.position_offsets, past,
+                                    batch.packed_mask, k_cache, v_cache)
+        accepted = greedy_accept(result.logits, batch)
+        for i, seq in enumerate(seqs):
+            if not seq.request.sampling.greedy:
+                accepted[i] = sampling_accept(result.logits[i], trees[i], seq.request.sampling, seq.generator)
+
+        width = max(len(a.path) for a in accepted)
+        source = torch.tensor([a.path + [0] * (width - len(a.path)) for a in accepted])
+        self.cache.commit(result.present_keys, result.present_values, source,
+                          torch.tensor([len(a.path) for a in accepted]))
+        for i, (seq, acc) in enumerate(zip(seqs, accepted)):
+            seq.stats.record(trees[i], acc)
+            seq.root_token = acc.tokens[-1]
+            if self.method != "vanilla":
+                seq.root_hidden = result.h0[i, acc.path[-1]].clone()
+            events.append(self._event(seq, seq.emit(acc.tokens)))
+        self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
+        return events
+
+    @staticmethod
+    def _event(seq: _Sequence, tokens: list[int]) -> StepEvent:
+        return StepEvent(seq.seq_id, seq.request.request_id, tokens, seq.finish_reason is not None, seq.finish_reason)

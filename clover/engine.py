@@ -1,0 +1,95 @@
+"""The engine contract of DESIGN §3, shared by every backend.
+
+A backend implements two callables on named tensors; the decode loop in
+:mod:`clover.decode` drives them and owns everything else (trees, acceptance,
+KV bookkeeping, batching, stopping). Backends take and return torch CPU
+tensors at this boundary; an engine that computes elsewhere (onnxruntime,
+TensorRT) converts at its edge, zero-copy where it can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Protocol
+
+import torch
+
+CONTRACT_VERSION = 1
+
+TARGET_INPUTS = ("input_ids", "position_ids", "past_lengths", "spec_decoding_packed_mask")
+TARGET_OUTPUTS = ("logits", "h0")
+DRAFT_INPUTS = ("hidden", "token", "head")
+DRAFT_OUTPUTS = ("next_hidden", "topk_logprobs", "topk_ids")
+
+
+def cache_input_names(num_kv_layers: int) -> list[str]:
+    """``past_key_0, past_value_0, ...``: the KV-cache inputs of ``target``."""
+    return [f"past_{kind}_{i}" for i in range(num_kv_layers) for kind in ("key", "value")]
+
+
+def present_output_names(num_kv_layers: int) -> list[str]:
+    """``present_key_0, present_value_0, ...``: new tokens' K/V outputs of ``target``."""
+    return [f"present_{kind}_{i}" for i in range(num_kv_layers) for kind in ("key", "value")]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Static facts the decode loop needs about an engine.
+
+    ``num_kv_layers`` counts the target's layers plus the Augmenting Block
+    when the drafter has one (it keeps its own KV cache).
+    ``num_draft_heads`` is 0 when the engine has no drafter.
+    """
+
+    num_kv_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_seq_len: int
+    draft_top_k: int = 8
+    num_draft_heads: int = 0
+    drafter_method: str | None = None
+    dtype: torch.dtype = torch.float32
+
+
+class TargetResult(NamedTuple):
+    """logits ``[B, T, V]``, h0 ``[B, T, H]``, present keys/values one ``[B, Hkv, T, D]`` per KV layer."""
+
+    logits: torch.Tensor
+    h0: torch.Tensor
+    present_keys: list[torch.Tensor]
+    present_values: list[torch.Tensor]
+
+
+class DraftResult(NamedTuple):
+    """next_hidden ``[N, H]``, topk_logprobs ``[N, k]`` (descending), topk_ids int64 ``[N, k]``."""
+
+    next_hidden: torch.Tensor
+    topk_logprobs: torch.Tensor
+    topk_ids: torch.Tensor
+
+
+class Engine(Protocol):
+    spec: EngineSpec
+
+    def target(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_lengths: torch.Tensor,
+        packed_mask: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+    ) -> TargetResult:
+        """Run the target plus Augmenting Block on T new tokens per sequence.
+
+        input_ids, position_ids int64 ``[B, T]``; past_lengths int32 ``[B]``;
+        packed_mask int32 ``[B, T, ceil(T/32)]``; caches one ``[B, Hkv, S_max, D]``
+        per KV layer, read only.
+        """
+        ...
+
+    def draft_step(self, hidden: torch.Tensor, token: torch.Tensor, head: int) -> DraftResult:
+        """One regressive draft step for N frontier nodes: hidden ``[N, H]``, token int64 ``[N]``."""
+        ...
