@@ -158,7 +158,7 @@ class TreeConfig(_JsonMixin):
 
     ``budget``: draft nodes per sequence per step, not counting the root.
     ``depth``: draft depth (<= the drafter's head count); None uses every head.
-    ``top_k``: candidates the draft step returns per frontier node.
+    ``top_k``: candidates considered per frontier node (at most the engine's draft top-k).
     ``prune_ratio``: drop children whose path probability is below this
     fraction of the level's best.
     ``static_choices``: a fixed Medusa-style tree, as paths of candidate ranks

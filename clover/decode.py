@@ -170,8 +170,10 @@ class SpeculativeDecoder:
                 raise ConfigError(f"method {method!r} does not match the engine's {spec.drafter_method!r} drafter")
         self.engine, self.method = engine, method
         self.tree = tree or TreeConfig()
-        if self.tree.top_k > spec.draft_top_k and method != "vanilla":
-            raise ConfigError(f"tree top_k {self.tree.top_k} exceeds the engine's draft top-k {spec.draft_top_k}")
+        if self.tree.static_choices is not None and method != "vanilla":
+            deepest_rank = max(max(p) for p in self.tree.static_choices)
+            if deepest_rank >= spec.draft_top_k:
+                raise ConfigError(f"static tree needs rank {deepest_rank}, the engine's draft top-k is {spec.draft_top_k}")
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype)

@@ -73,16 +73,21 @@ def build_trees(draft_step: DraftFn, root_hidden: torch.Tensor, root_tokens: lis
                 tree: TreeConfig, num_heads: int) -> list[TokenTree]:
     """Expand a tree per sequence, level by level, one batched draft step per level.
 
-    Dynamic trees score each candidate child by the joint log-probability of its
-    path, drop those under ``prune_ratio`` times the level's best, and keep the
-    best until ``budget`` nodes exist. Static trees keep the children whose rank
-    path is listed in ``tree.static_choices``.
+    Dynamic trees score each candidate by the joint log-probability of its
+    path. At each level the ``budget`` best children (those over
+    ``prune_ratio`` times the level's best) become the next frontier; at the
+    end the ``budget`` best candidates of all levels form the tree. A child
+    never scores above its parent, so that set always contains each node's
+    ancestors. Expansion stops early once no deeper node could make the cut.
+    Static trees keep the children whose rank path is in ``tree.static_choices``.
 
     Args:
         draft_step: the engine's ``draft_step(hidden [N, H], token [N], head)``.
         root_hidden: ``[B, H]``, h0 at each sequence's last accepted position.
         root_tokens: B root tokens (the last accepted token of each sequence).
         num_heads: heads the drafter has; the tree is at most that deep.
+    Returns:
+        One :class:`TokenTree` per sequence, in level order, siblings by score.
     """
     depth_limit = min(tree.depth or num_heads, num_heads)
     static = {tuple(p) for p in tree.static_choices} if tree.static_choices is not None else None
@@ -92,10 +97,9 @@ def build_trees(draft_step: DraftFn, root_hidden: torch.Tensor, root_tokens: lis
         depth_limit = 0
     log_prune = math.log(tree.prune_ratio) if tree.prune_ratio > 0 else -math.inf
 
-    trees = [TokenTree.root(t) for t in root_tokens]
-    scores = [[0.0] for _ in trees]  # path log-probability per node
-    rank_paths: list[list[tuple[int, ...]]] = [[()] for _ in trees]
-    frontier = [(b, 0) for b in range(len(trees))]  # (sequence, node)
+    # candidate pool per sequence: (score, depth, parent index in pool, token, rank path); entry 0 is the root
+    pools = [[(0.0, 0, -1, int(t), ())] for t in root_tokens]
+    frontier = [(b, 0) for b in range(len(pools))]  # (sequence, pool index)
     hidden = root_hidden
     tokens = torch.tensor([int(t) for t in root_tokens], dtype=torch.long)
 
@@ -103,40 +107,46 @@ def build_trees(draft_step: DraftFn, root_hidden: torch.Tensor, root_tokens: lis
         if not frontier:
             break
         result = draft_step(hidden, tokens, depth)
-        logprobs, ids = result.topk_logprobs.float(), result.topk_ids
-        by_sequence: dict[int, list[int]] = {}
+        width = min(tree.top_k, result.topk_ids.shape[1])
+        logprobs, ids = result.topk_logprobs[:, :width].float(), result.topk_ids[:, :width]
+        rows_of: dict[int, list[int]] = {}
         for row, (b, _) in enumerate(frontier):
-            by_sequence.setdefault(b, []).append(row)
-        next_frontier, parent_rows = [], []
-        for b, rows in by_sequence.items():
-            # candidates: (score, row, rank) of every child of this sequence's frontier
+            rows_of.setdefault(b, []).append(row)
+        next_frontier, parent_rows, still_useful = [], [], False
+        for b, rows in rows_of.items():
+            pool = pools[b]
             if static is not None:
-                chosen = [(scores[b][frontier[r][1]] + float(logprobs[r, k]), r, k)
-                          for r in rows for k in range(ids.shape[1])
-                          if rank_paths[b][frontier[r][1]] + (k,) in static]
+                chosen = [(pool[frontier[r][1]][0] + float(logprobs[r, k]), r, k) for r in rows for k in range(width)
+                          if pool[frontier[r][1]][4] + (k,) in static]
             else:
-                room = tree.budget - (len(trees[b]) - 1)
-                if room <= 0:
-                    continue
-                row_index = torch.tensor(rows)
-                parent_scores = torch.tensor([scores[b][frontier[r][1]] for r in rows])
-                cand = (parent_scores[:, None] + logprobs[row_index]).flatten()
-                keep = int((cand >= cand.max() + log_prune).sum())
-                top = torch.topk(cand, min(room, keep))
-                width = logprobs.shape[1]
+                parent_scores = torch.tensor([pool[frontier[r][1]][0] for r in rows])
+                cand = (parent_scores[:, None] + logprobs[torch.tensor(rows)]).flatten()
+                best = float(cand.max())
+                keep = int((cand >= best + log_prune).sum())
+                top = torch.topk(cand, min(tree.budget, keep))
                 chosen = [(float(s), rows[int(i) // width], int(i) % width) for s, i in zip(top.values, top.indices)]
-            chosen.sort(key=lambda c: -c[0])
-            for score, row, rank in chosen:
+                # deeper levels only matter while this level's best could still enter the tree
+                still_useful |= sum(node[0] >= best for node in pool[1:]) < tree.budget
+            for score, row, rank in sorted(chosen, key=lambda c: -c[0]):
                 parent = frontier[row][1]
-                node = trees[b].add(parent, int(ids[row, rank]))
-                scores[b].append(score)
-                rank_paths[b].append(rank_paths[b][parent] + (rank,))
-                next_frontier.append((b, node))
+                pool.append((score, depth + 1, parent, int(ids[row, rank]), pool[parent][4] + (rank,)))
+                next_frontier.append((b, len(pool) - 1))
                 parent_rows.append(row)
-        frontier = next_frontier
+        frontier = next_frontier if (static is not None or still_useful) else []
         if frontier:
             hidden = result.next_hidden[torch.tensor(parent_rows)]
-            tokens = torch.tensor([trees[b].tokens[n] for b, n in frontier], dtype=torch.long)
+            tokens = torch.tensor([pools[b][i][3] for b, i in frontier], dtype=torch.long)
+
+    trees = []
+    for pool in pools:
+        keep = list(range(1, len(pool)))
+        if static is None:  # best `budget` by score; ties go to the shallower node, so parents come first
+            keep = sorted(keep, key=lambda i: (-pool[i][0], pool[i][1]))[: tree.budget]
+        keep.sort(key=lambda i: (pool[i][1], -pool[i][0]))  # level order, siblings by score
+        out, index_of = TokenTree.root(pool[0][3]), {0: 0}
+        for i in keep:
+            index_of[i] = out.add(index_of[pool[i][2]], pool[i][3])
+        trees.append(out)
     return trees
 
 

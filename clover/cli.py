@@ -1,0 +1,205 @@
+"""``clover`` command line: ``clover generate ...``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from clover.config import ConfigError, SamplingConfig, TreeConfig
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where there is one."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def add_generate_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text with vanilla, Medusa or Clover decoding",
+        description="Generate answers with the target model. Greedy output is identical for every method; "
+                    "the speculative methods only make it faster.",
+        formatter_class=_HelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one user message; the answer streams to the terminal")
+    src.add_argument("--prompts-file", type=Path, help='JSONL file of {"id": ..., "prompt": ...} lines')
+    p.add_argument("--output", type=Path, help="JSONL results for --prompts-file (default: stdout)")
+    p.add_argument("--summary", type=Path, help="write totals (new tokens, decode seconds, tokens/s, tokens/step) as JSON")
+    p.add_argument("--target", default="demo", help="Hugging Face checkpoint directory, or 'demo' for the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--cache-dir", help="where the demo checkpoint is converted to (default: $CLOVER_CACHE_DIR or ~/.cache/clover)")
+    p.add_argument("--method", choices=["vanilla", "medusa", "clover"], default="clover",
+                   help="decoding method; medusa/clover need matching heads (--drafter)")
+    p.add_argument("--drafter", type=Path, help="trained draft-head directory (config.json + model.safetensors); "
+                   "without it, clover uses untrained heads initialised from the target (lossless, little speed-up)")
+    p.add_argument("--max-new-tokens", type=_positive, default=256, help="new tokens per prompt at most")
+    p.add_argument("--tree-budget", type=int, default=4, help="draft tree nodes per step, not counting the root")
+    p.add_argument("--tree-depth", type=int, default=None, help="draft depth (default: every head)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (tree speculative sampling)")
+    p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--batch-size", type=_positive, default=8, help="sequences decoded together at most")
+    p.add_argument("--max-seq-len", type=_positive, default=2048, help="KV cache length per sequence")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.set_defaults(func=cmd_generate)
+
+
+def load_torch_engine(target_dir, drafter_dir, method: str, max_seq_len: int, cache_dir=None, draft_top_k: int = 8):
+    """(engine, tokenizer) for the torch backend."""
+    from clover.backends.torch import TorchEngine
+    from clover.config import DrafterConfig
+    from clover.demo import resolve_target
+    from clover.drafters import Drafter, load_drafter
+    from clover.target import load_target, load_tokenizer
+
+    path = resolve_target(target_dir, cache_dir)
+    target = load_target(path)
+    tokenizer = load_tokenizer(path)
+    drafter = None
+    if method != "vanilla":
+        if drafter_dir is not None:
+            drafter = load_drafter(drafter_dir, target)
+        else:
+            print(f"[clover] no --drafter given: using untrained {method} heads (output is unchanged, "
+                  "speed-up needs trained heads)", file=sys.stderr)
+            cfg = target.config
+            drafter = Drafter.from_target(DrafterConfig(method=method, num_heads=3, hidden_size=cfg.hidden_size,
+                                                        vocab_size=cfg.vocab_size, target_num_layers=cfg.num_layers),
+                                          target).eval()
+    return TorchEngine(target, drafter, max_seq_len=max_seq_len, draft_top_k=draft_top_k), tokenizer
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_dict=False)
+        return list(ids)
+    return tokenizer.encode(text)
+
+
+def _read_prompts(path: Path) -> list[dict]:
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number}: not JSON ({exc})") from exc
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ConfigError(f'{path}:{number}: expected {{"id": ..., "prompt": "..."}}')
+        rows.append({"id": row.get("id", number), "prompt": row["prompt"]})
+    if not rows:
+        raise ConfigError(f"{path}: no prompts")
+    return rows
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from clover.decode import GenerationRequest, SpeculativeDecoder
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    tree = TreeConfig(budget=args.tree_budget, depth=args.tree_depth)
+    engine, tokenizer = load_torch_engine(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir)
+    decoder = SpeculativeDecoder(engine, args.method, tree, tokenizer, max_batch_size=args.batch_size)
+
+    rows = [{"id": 0, "prompt": args.prompt}] if args.prompt is not None else _read_prompts(args.prompts_file)
+    requests = [GenerationRequest(encode_prompt(tokenizer, r["prompt"], not args.no_chat_template),
+                                  max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                  stop_strings=tuple(args.stop), seed=args.seed + i, request_id=r["id"])
+                for i, r in enumerate(rows)]
+
+    if args.prompt is not None:
+        shown = [0]
+        tokens: list[int] = []
+
+        def stream(event):
+            tokens.extend(event.new_token_ids)
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if args.stop:
+                cuts = [text.index(s) for s in args.stop if s in text]
+                text = text[: min(cuts)] if cuts else text
+            sys.stdout.write(text[shown[0]:])
+            sys.stdout.flush()
+            shown[0] = len(text)
+
+        start = time.perf_counter()
+        results = decoder.generate(requests, on_event=stream)
+        seconds = time.perf_counter() - start
+        sys.stdout.write("\n")
+    else:
+        out = open(args.output, "w") if args.output else sys.stdout
+        try:
+            start = time.perf_counter()
+            results = decoder.generate(requests)
+            seconds = time.perf_counter() - start
+            for r in results:
+                out.write(json.dumps({
+                    "id": r.request_id, "text": r.text, "token_ids": r.token_ids, "num_steps": r.stats.num_steps,
+                    "new_tokens": len(r.token_ids), "finish_reason": r.finish_reason,
+                    "tokens_per_step": r.tokens_per_step, "acceptance_per_depth": r.stats.acceptance_per_depth,
+                }) + "\n")
+        finally:
+            if out is not sys.stdout:
+                out.close()
+
+    summary = summarize(results, seconds, args.method)
+    print(f"[clover] {args.method}: {summary['new_tokens']} tokens in {summary['decode_seconds']:.2f} s "
+          f"({summary['tokens_per_second']:.1f} tok/s, {summary['tokens_per_step']:.2f} tokens/step)", file=sys.stderr)
+    if args.summary:
+        args.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def summarize(results, seconds: float, method: str) -> dict:
+    new_tokens = sum(len(r.token_ids) for r in results)
+    steps = sum(r.stats.num_steps for r in results)
+    return {
+        "method": method,
+        "num_prompts": len(results),
+        "new_tokens": new_tokens,
+        "decode_seconds": seconds,
+        "tokens_per_second": new_tokens / seconds if seconds > 0 else 0.0,
+        # the first token of each prompt comes from the prompt pass, not a decode step
+        "tokens_per_step": (new_tokens - len(results)) / steps if steps else 0.0,
+        "num_steps": steps,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="clover", description="Clover: lossless regressive speculative decoding")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"clover: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nclover: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

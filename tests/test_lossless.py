@@ -1,0 +1,160 @@
+"""Speculative greedy decoding equals vanilla greedy decoding, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clover.backends.torch import TorchEngine
+from clover.config import TreeConfig
+from clover.decode import GenerationRequest, SpeculativeDecoder
+from tests.conftest import make_drafter, make_target
+from tests.helpers import OracleEngine, random_prompts, vanilla_greedy
+
+MAX_NEW = 24
+
+
+def _generate(engine, method, prompts, tree=None, batch_size=8, max_new=MAX_NEW):
+    decoder = SpeculativeDecoder(engine, method, tree, max_batch_size=batch_size)
+    return decoder.generate([GenerationRequest(p, max_new_tokens=max_new, stop_token_ids=()) for p in prompts])
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("num_heads", [1, 2, 3, 5])
+@pytest.mark.parametrize("budget", [1, 4, 16])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_random_clover_heads_equal_vanilla(seed, num_heads, budget, batch):
+    target = make_target(seed=seed)
+    engine = TorchEngine(target, make_drafter(target, num_heads=num_heads, seed=seed + 10), max_seq_len=128)
+    prompts = random_prompts(seed, batch, target.config.vocab_size, 1, 24)
+    expected = vanilla_greedy(engine, prompts, MAX_NEW)
+    results = _generate(engine, "clover", prompts, TreeConfig(budget=budget))
+    assert [r.token_ids for r in results] == expected
+    # the trees were really speculative: some step had more than one node
+    assert all(r.stats.depth_tried for r in results) or budget == 0
+
+
+@pytest.mark.parametrize("method", ["medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment"])
+def test_other_drafters_equal_vanilla(method):
+    target = make_target(seed=5)
+    engine = TorchEngine(target, make_drafter(target, method=method, num_heads=3), max_seq_len=128)
+    prompts = random_prompts(5, 3, target.config.vocab_size, 2, 16)
+    expected = vanilla_greedy(engine, prompts, MAX_NEW)
+    family = "medusa" if method == "medusa" else "clover"
+    assert [r.token_ids for r in _generate(engine, family, prompts, TreeConfig(budget=6))] == expected
+
+
+def test_static_tree_equals_vanilla():
+    target = make_target(seed=6)
+    engine = TorchEngine(target, make_drafter(target, method="medusa", num_heads=3), max_seq_len=128)
+    prompts = random_prompts(6, 3, target.config.vocab_size, 2, 16)
+    choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    results = _generate(engine, "medusa", prompts, TreeConfig(static_choices=choices))
+    assert [r.token_ids for r in results] == vanilla_greedy(engine, prompts, MAX_NEW)
+    assert max(r.stats.depth_tried[2] for r in results) > 0
+
+
+@pytest.mark.parametrize("num_heads", [1, 3, 5])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_oracle_drafter_accepts_everything(num_heads, batch):
+    target = make_target(seed=7)
+    inner = TorchEngine(target, None, max_seq_len=128)
+    prompts = random_prompts(7 + batch, batch, target.config.vocab_size, 3, 12)
+    expected = vanilla_greedy(inner, prompts, MAX_NEW)
+    oracle = OracleEngine(inner, prompts, expected, num_heads=num_heads)
+    results = _generate(oracle, "clover", prompts, TreeConfig(budget=num_heads + 2))
+    assert [r.token_ids for r in results] == expected
+    for r in results:
+        # every step but the last accepts all K draft tokens: K+1 tokens per step
+        assert r.stats.accepted_per_step[:-1] == [num_heads] * (len(r.stats.accepted_per_step) - 1)
+        assert r.stats.num_steps == -(-(MAX_NEW - 1) // (num_heads + 1))
+
+
+def test_batched_equals_solo_with_mixed_lengths_and_joins():
+    """A small max batch forces requests to join while others run and to leave as they finish."""
+    target = make_target(seed=8)
+    engine = TorchEngine(target, make_drafter(target, num_heads=3), max_seq_len=128)
+    prompts = random_prompts(8, 7, target.config.vocab_size, 1, 30)
+    lengths = [5, 30, 12, 1, 20, 8, 17]
+    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4), max_batch_size=3)
+    results = decoder.generate([GenerationRequest(p, max_new_tokens=n, stop_token_ids=())
+                                for p, n in zip(prompts, lengths)])
+    for prompt, n, r in zip(prompts, lengths, results):
+        assert r.token_ids == vanilla_greedy(engine, [prompt], n)[0]
+        assert len(r.token_ids) == n and r.finish_reason == "length"
+
+
+def test_per_sequence_stop_on_eos():
+    target = make_target(seed=9)
+    engine = TorchEngine(target, make_drafter(target, num_heads=3), max_seq_len=128)
+    prompts = random_prompts(9, 3, target.config.vocab_size, 2, 10)
+    reference = vanilla_greedy(engine, prompts, 30)
+    # choose, per sequence, a token that first appears at a different place as its EOS
+    eos = reference[0][10]
+    results = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4)).generate(
+        [GenerationRequest(p, max_new_tokens=30, stop_token_ids=(eos,)) for p in prompts])
+    for ref, r in zip(reference, results):
+        cut = ref.index(eos) + 1 if eos in ref else len(ref)
+        assert r.token_ids == ref[:cut]
+        assert r.finish_reason == ("stop" if eos in ref else "length")
+
+
+def test_kv_cache_equals_vanilla_cache_after_acceptance():
+    target = make_target(seed=10)
+    engine = TorchEngine(target, make_drafter(target, num_heads=3), max_seq_len=128)
+    prompts = random_prompts(10, 2, target.config.vocab_size, 4, 10)
+    expected = vanilla_greedy(engine, prompts, 12)
+    oracle = OracleEngine(engine, prompts, expected, num_heads=3)
+    for eng in (engine, oracle):  # random heads (few accepted) and oracle heads (all accepted)
+        decoder = SpeculativeDecoder(eng, "clover", TreeConfig(budget=5))
+        ids = [decoder.submit(GenerationRequest(p, max_new_tokens=1000, stop_token_ids=())) for p in prompts]
+        while min(len(decoder.result(i).token_ids) for i in ids) < 12:
+            decoder.step()
+        vanilla = SpeculativeDecoder(engine, "vanilla")
+        for row, seq_id in enumerate(ids):
+            tokens = prompts[row] + decoder.result(seq_id).token_ids
+            assert decoder.result(seq_id).token_ids[:12] == expected[row]
+            length = int(decoder.cache.lengths[row])
+            assert length == len(tokens) - 1  # the newest token's K/V is written by the next step
+            vanilla.submit(GenerationRequest(tokens[:length], max_new_tokens=1, stop_token_ids=()))
+            vanilla._prefill(vanilla._pending)  # cache rows of a plain prompt pass over the same tokens
+            vanilla._pending = []
+            v_row = vanilla.cache.num_rows - 1
+            for layer in range(engine.spec.num_kv_layers):
+                for spec_cache, ref_cache in ((decoder.cache.keys, vanilla.cache.keys),
+                                              (decoder.cache.values, vanilla.cache.values)):
+                    torch.testing.assert_close(spec_cache[layer][row, :, :length], ref_cache[layer][v_row, :, :length],
+                                               rtol=1e-5, atol=1e-5)
+
+
+def test_cancel_leaves_batch_and_others_unchanged():
+    target = make_target(seed=11)
+    engine = TorchEngine(target, make_drafter(target, num_heads=2), max_seq_len=128)
+    prompts = random_prompts(11, 3, target.config.vocab_size, 2, 10)
+    expected = vanilla_greedy(engine, prompts, 20)
+    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4))
+    ids = [decoder.submit(GenerationRequest(p, max_new_tokens=20, stop_token_ids=())) for p in prompts]
+    decoder.step()
+    decoder.step()
+    decoder.cancel(ids[1])
+    events = decoder.step()
+    assert any(e.seq_id == ids[1] and e.finish_reason == "cancelled" for e in events)
+    assert decoder.num_running == 2
+    done = {}
+    while decoder.has_work:
+        for e in decoder.step():
+            if e.finished:
+                done[e.seq_id] = True
+    # finished sequences leave the running set; results of the others are intact
+    assert set(done) == {ids[0], ids[2]}
+
+
+def test_max_seq_len_ends_sequence_with_length():
+    target = make_target(seed=12)
+    engine = TorchEngine(target, make_drafter(target, num_heads=3), max_seq_len=40)
+    prompt = random_prompts(12, 1, target.config.vocab_size, 20, 20)[0]
+    result = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4)).generate(
+        [GenerationRequest(prompt, max_new_tokens=100, stop_token_ids=())])[0]
+    assert result.finish_reason == "length"
+    assert len(prompt) + len(result.token_ids) <= 40
+    assert result.token_ids == vanilla_greedy(engine, [prompt], len(result.token_ids))[0]
