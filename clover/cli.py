@@ -42,8 +42,11 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--summary", type=Path, help="write totals (new tokens, decode seconds, tokens/s, tokens/step) as JSON")
     p.add_argument("--target", default="demo", help="Hugging Face checkpoint directory, or 'demo' for the embedded SmolLM2-135M-Instruct")
     p.add_argument("--cache-dir", help="where the demo checkpoint is converted to (default: $CLOVER_CACHE_DIR or ~/.cache/clover)")
-    p.add_argument("--method", choices=["vanilla", "medusa", "clover"], default="clover",
-                   help="decoding method; medusa/clover need matching heads (--drafter)")
+    p.add_argument("--engine", type=Path, help="built engine directory (export/build_engine.py); replaces "
+                   "--target/--drafter: tokenizer, heads and limits come from its engine.json")
+    p.add_argument("--method", choices=["vanilla", "medusa", "clover"], default=None,
+                   help="decoding method (default: the family of the heads in use, clover for the torch path; "
+                        "vanilla for an engine without heads)")
     p.add_argument("--drafter", type=Path, help="trained draft-head directory (config.json + model.safetensors); "
                    "without it, clover uses untrained heads initialised from the target (lossless, little speed-up)")
     p.add_argument("--max-new-tokens", type=_positive, default=256, help="new tokens per prompt at most")
@@ -57,7 +60,7 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--batch-size", type=_positive, default=8, help="sequences decoded together at most")
     p.add_argument("--max-seq-len", type=_positive, default=2048, help="KV cache length per sequence")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch / onnxruntime")
     p.set_defaults(func=cmd_generate)
 
 
@@ -120,7 +123,17 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     tree = TreeConfig(budget=args.tree_budget, depth=args.tree_depth)
-    engine, tokenizer = load_torch_engine(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir)
+    if args.engine is not None:
+        from clover.backends import load_engine
+        from clover.target import load_tokenizer
+
+        engine = load_engine(args.engine, threads=args.threads)
+        tokenizer = load_tokenizer(args.engine)
+        family = engine.spec.drafter_method
+        args.method = args.method or ("vanilla" if family is None else "medusa" if family == "medusa" else "clover")
+    else:
+        args.method = args.method or "clover"
+        engine, tokenizer = load_torch_engine(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir)
     decoder = SpeculativeDecoder(engine, args.method, tree, tokenizer, max_batch_size=args.batch_size)
 
     rows = [{"id": 0, "prompt": args.prompt}] if args.prompt is not None else _read_prompts(args.prompts_file)

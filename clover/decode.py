@@ -176,7 +176,8 @@ class SpeculativeDecoder:
                 raise ConfigError(f"static tree needs rank {deepest_rank}, the engine's draft top-k is {spec.draft_top_k}")
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
-        self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype)
+        self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
+                             device=spec.device)
         self._ids = itertools.count()
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # index == cache row

@@ -51,6 +51,7 @@ class EngineSpec:
     num_draft_heads: int = 0
     drafter_method: str | None = None
     dtype: torch.dtype = torch.float32
+    device: str = "cpu"  # where the KV cache lives (the engine reads it there)
 
 
 class TargetResult(NamedTuple):

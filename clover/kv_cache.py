@@ -14,9 +14,9 @@ class KVCache:
     """Per-layer ``[capacity, Hkv, S_max, D]`` keys and values plus int32 lengths."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
-                 dtype: torch.dtype = torch.float32, capacity: int = 1) -> None:
+                 dtype: torch.dtype = torch.float32, capacity: int = 1, device: str = "cpu") -> None:
         self.shape = (num_kv_heads, max_seq_len, head_dim)
-        self.num_layers, self.dtype = num_layers, dtype
+        self.num_layers, self.dtype, self.device = num_layers, dtype, device
         self.num_rows = 0
         self._capacity = 0
         self.keys: list[torch.Tensor] = []
@@ -30,7 +30,7 @@ class KVCache:
 
     def _grow(self, capacity: int) -> None:
         def grown(old: torch.Tensor | None) -> torch.Tensor:
-            new = torch.zeros(capacity, *self.shape, dtype=self.dtype)
+            new = torch.zeros(capacity, *self.shape, dtype=self.dtype, device=self.device)
             if old is not None:
                 new[: self.num_rows] = old[: self.num_rows]
             return new
@@ -55,8 +55,9 @@ class KVCache:
         """Drop finished rows, keeping the others in order at the front."""
         drop = set(rows)
         keep = torch.tensor([r for r in range(self.num_rows) if r not in drop], dtype=torch.long)
+        keep_on_device = keep.to(self.device)
         for tensor in (*self.keys, *self.values):
-            tensor[: len(keep)] = tensor[keep]
+            tensor[: len(keep)] = tensor[keep_on_device]
         self._lengths[: len(keep)] = self._lengths[keep].clone()
         self.num_rows = len(keep)
 
@@ -92,6 +93,8 @@ class KVCache:
         dest = (lengths[:, None].long() + slot[None, :])[valid]  # [M]
         src_rows = torch.arange(len(row_ids))[:, None].expand(-1, width)[valid]
         src_tokens = source_index[valid]
+        if self.device != "cpu":
+            row_index, dest, src_rows, src_tokens = (t.to(self.device) for t in (row_index, dest, src_rows, src_tokens))
         for cache, present in zip((*self.keys, *self.values), (*present_keys, *present_values)):
             # cache.permute: [cap, S, Hkv, D] view; present.permute: [n, T, Hkv, D]
             cache.permute(0, 2, 1, 3)[row_index, dest] = present.permute(0, 2, 1, 3)[src_rows, src_tokens].to(self.dtype)

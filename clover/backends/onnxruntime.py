@@ -1,0 +1,89 @@
+"""The onnxruntime backend: the CPU speed path (DESIGN §6).
+
+Inputs are handed to onnxruntime as numpy views of the torch tensors the
+decode loop owns (no copy); the KV cache stays in the decode loop's
+:class:`~clover.kv_cache.KVCache`, and only the new tokens' K/V come back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from clover.config import ConfigError, TargetConfig
+from clover.engine import DraftResult, EngineSpec, TargetResult, cache_input_names, present_output_names
+from clover.export.engine_dir import read_engine_meta
+
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _session(path: Path, threads: int | None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ConfigError(f"{path}: onnxruntime cannot load this engine ({exc})") from exc
+
+
+class OnnxRuntimeEngine:
+    """Runs ``target.onnx`` and ``draft_step.onnx`` of an engine directory."""
+
+    def __init__(self, engine_dir: str | Path, threads: int | None = None) -> None:
+        self.engine_dir = Path(engine_dir)
+        meta = read_engine_meta(self.engine_dir)
+        if meta.get("attention") == "plugin":
+            raise ConfigError(f"{engine_dir}: built with --attention plugin (TensorRT); onnxruntime needs "
+                              "--attention standard")
+        self.meta = meta
+        files = meta["files"]
+        for name in filter(None, (files.get("target"), files.get("draft_step"))):
+            if not (self.engine_dir / name).exists():
+                raise ConfigError(f"{engine_dir}: {name} is missing; rebuild the engine")
+        self.target_session = _session(self.engine_dir / files["target"], threads)
+        self.draft_session = _session(self.engine_dir / files["draft_step"], threads) if files.get("draft_step") else None
+        cfg = TargetConfig.from_dict(meta["target_config"])
+        drafter = meta.get("drafter_config")
+        num_kv = meta["num_kv_layers"]
+        self.spec = EngineSpec(
+            num_kv_layers=num_kv,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+            max_seq_len=meta["limits"]["max_seq"],
+            draft_top_k=meta.get("draft_top_k", 8),
+            num_draft_heads=drafter["num_heads"] if drafter else 0,
+            drafter_method=drafter["method"] if drafter else None,
+            dtype=_TORCH_DTYPES[meta.get("dtype", "fp32")],
+        )
+        self._cache_names = cache_input_names(num_kv)
+        self._present_names = present_output_names(num_kv)
+        self._target_outputs = ["logits", "h0", *self._present_names]
+
+    def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
+        feeds = {
+            "input_ids": input_ids.contiguous().numpy(),
+            "position_ids": position_ids.contiguous().numpy(),
+            "past_lengths": past_lengths.to(torch.int32).contiguous().numpy(),
+            "spec_decoding_packed_mask": packed_mask.contiguous().numpy(),
+        }
+        for i, (k, v) in enumerate(zip(k_cache, v_cache)):
+            feeds[self._cache_names[2 * i]] = k.numpy()  # views of the decode loop's cache rows: no copy
+            feeds[self._cache_names[2 * i + 1]] = v.numpy()
+        outputs = [torch.from_numpy(o) for o in self.target_session.run(self._target_outputs, feeds)]
+        presents = outputs[2:]
+        return TargetResult(outputs[0], outputs[1], presents[0::2], presents[1::2])
+
+    def draft_step(self, hidden, token, head: int) -> DraftResult:
+        if self.draft_session is None:
+            raise RuntimeError("this engine was built without a drafter; use method 'vanilla'")
+        feeds = {"hidden": hidden.contiguous().numpy(), "token": token.contiguous().numpy(),
+                 "head": torch.tensor(head, dtype=torch.long).numpy()}
+        next_hidden, logprobs, ids = self.draft_session.run(["next_hidden", "topk_logprobs", "topk_ids"], feeds)
+        return DraftResult(torch.from_numpy(next_hidden), torch.from_numpy(logprobs), torch.from_numpy(ids))

@@ -1,0 +1,1 @@
+"""Engine export: ONNX graphs of the two contract callables, and engine directories."""

