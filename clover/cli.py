@@ -1,4 +1,4 @@
-"""``clover`` command line: ``clover generate ...``."""
+"""``clover`` command line: ``clover generate|serve|client ...``."""
 
 from __future__ import annotations
 
@@ -199,10 +199,149 @@ def summarize(results, seconds: float, method: str) -> dict:
     }
 
 
+def add_serve_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve an engine with Triton Inference Server (HTTP, gRPC, metrics)",
+        description="Run tritonserver on the Clover model repository (triton_repo/), pointed at an engine "
+                    "directory: a tritonserver on PATH, else the binary of the nvidia-pytriton wheel. Concurrent "
+                    "requests share decode steps (in-flight batching); streaming uses decoupled mode. "
+                    "Ctrl-C stops the server cleanly.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("--engine", type=Path, help="engine directory from export/build_engine.py "
+                   "(default: $CLOVER_ENGINE_DIR, else engines/demo in this checkout)")
+    p.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "torch"], default="auto",
+                   help="engine backend; auto takes the one engine.json names")
+    p.add_argument("--method", choices=["auto", "clover", "medusa", "vanilla"], default="auto",
+                   help="decoding method; auto: the engine's heads if it has some, else vanilla")
+    p.add_argument("--max-batch", type=int, default=0, help="sequences decoded together at most (0: the engine's limit)")
+    p.add_argument("--tree-budget", type=int, default=None, help="draft tree nodes per step (default: the engine's)")
+    p.add_argument("--threads", type=int, default=0, help="engine CPU threads (0: the backend's default)")
+    p.add_argument("--host", default="0.0.0.0", help="address the endpoints bind to")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: a free one)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (0: a free one)")
+    p.add_argument("--model-repository", type=Path, help="serve this model repository as it is (ignores --engine)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server to be ready")
+    p.add_argument("--log-file", type=Path, help="write the server log here (default: the terminal)")
+    p.add_argument("--demo", action="store_true", help="the end-to-end demo instead: build the demo engine if missing, "
+                   "start the server, stream answers to a few prompts, compare with vanilla, stop")
+    p.add_argument("--max-tokens", type=_positive, default=96, help="with --demo: new tokens per answer")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from clover.serving.launch import run_demo, serve
+
+    if args.demo:
+        return run_demo(args.engine, max_tokens=args.max_tokens, startup_timeout_s=args.startup_timeout)
+    return serve(args.engine, backend=args.backend, method=args.method, max_batch=args.max_batch,
+                 tree_budget=args.tree_budget, threads=args.threads, host=args.host, http_port=args.http_port,
+                 grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_repository=args.model_repository,
+                 startup_timeout_s=args.startup_timeout, log_file=args.log_file)
+
+
+def add_client_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "client",
+        help="send prompts to a running clover serve (tritonclient), or generate load",
+        description="Stream answers from the Clover model over gRPC (tritonclient) or HTTP (generate_stream). "
+                    "With --concurrency N it is a load generator: N concurrent streams, reporting throughput, "
+                    "time to first token and inter-token latency percentiles.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("--url", help="server address (default: localhost:8001 for grpc, localhost:8000 for http)")
+    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc", help="transport")
+    p.add_argument("--model", default="clover", help="model name in the repository")
+    p.add_argument("--prompt", action="append", default=[], help="a user message (repeatable)")
+    p.add_argument("--prompts-file", type=Path, help='JSONL file of {"id": ..., "prompt": ...} lines')
+    p.add_argument("--max-tokens", type=_positive, default=128, help="new tokens per answer at most")
+    p.add_argument("--no-stream", action="store_true", help="one response per request instead of streaming")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (the server's default)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-chat-template", action="store_true", help="send the prompt text as is")
+    p.add_argument("--concurrency", type=_positive, default=None, help="load generator: concurrent streams")
+    p.add_argument("--requests", type=_positive, default=None, help="load generator: requests in all "
+                   "(default: 4 x concurrency)")
+    p.add_argument("--json", type=Path, help="load generator: write the report as JSON here")
+    p.set_defaults(func=cmd_client)
+
+
+def cmd_client(args) -> int:
+    from clover.client import ClientError, GrpcClient, HttpClient, format_load_report, run_load
+
+    url = args.url or ("localhost:8001" if args.protocol == "grpc" else "localhost:8000")
+    prompts = list(args.prompt)
+    if args.prompts_file is not None:
+        prompts += [row["prompt"] for row in _read_prompts(args.prompts_file)]
+    if not prompts:
+        prompts = ["Explain speculative decoding in two sentences."]
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                   stop_words=args.stop or None, chat_template=False if args.no_chat_template else None)
+
+    def make_client():
+        return GrpcClient(url, args.model) if args.protocol == "grpc" else HttpClient(url, args.model)
+
+    try:
+        if args.concurrency:
+            report = run_load(make_client, prompts, args.concurrency, args.requests or 4 * args.concurrency,
+                              args.max_tokens, **options)
+            print(format_load_report(report))
+            if args.json:
+                args.json.write_text(json.dumps(report, indent=2) + "\n")
+            return 1 if report["errors"] else 0
+        client = make_client()
+        try:
+            for prompt in prompts:
+                start = time.perf_counter()
+                if args.no_stream:
+                    result = client.generate(prompt, args.max_tokens, **options)
+                    sys.stdout.write(result.text)
+                else:
+                    from clover.client import collect
+
+                    def shown(chunks):
+                        for chunk in chunks:
+                            sys.stdout.write(chunk.text)
+                            sys.stdout.flush()
+                            yield chunk
+
+                    result = collect(shown(client.stream(prompt, args.max_tokens, **options)), start)
+                sys.stdout.write("\n")
+                perf = result.perf or {}
+                steps = perf.get("num_decode_steps") or 0
+                ttft = f"{result.first_token_seconds * 1000:.0f} ms" if result.first_token_seconds is not None else "-"
+                print(f"[clover] {len(result.token_ids)} tokens in {result.seconds:.2f} s "
+                      f"({result.tokens_per_second:.1f} tok/s, first token {ttft}, "
+                      f"acceptance rate {perf.get('acceptance_rate', 0.0):.2f}, "
+                      f"{(len(result.token_ids) - 1) / steps if steps else 0:.2f} tokens/step, "
+                      f"finish: {result.finish_reason})", file=sys.stderr)
+        finally:
+            close = getattr(client, "close", None)
+            if close is not None:
+                close()
+        return 0
+    except ClientError as exc:
+        print(f"clover: error: {exc}", file=sys.stderr)
+        return 1
+    except ImportError as exc:
+        print(f"clover: error: {exc}; install the clients with: pip install 'tritonclient[all]'", file=sys.stderr)
+        return 2
+    except ConnectionError as exc:
+        print(f"clover: error: cannot reach the server at {url}: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="clover", description="Clover: lossless regressive speculative decoding")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
+    add_serve_parser(subparsers)
+    add_client_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -11,7 +11,11 @@ import torch
 
 
 class KVCache:
-    """Per-layer ``[capacity, Hkv, S_max, D]`` keys and values plus int32 lengths."""
+    """Keys and values ``[layers, capacity, Hkv, S_max, D]`` plus int32 lengths.
+
+    One tensor per kind (not per layer) so a commit or a compaction is one
+    indexing op for all layers; ``keys[i]`` / ``values[i]`` are per-layer views.
+    """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
                  dtype: torch.dtype = torch.float32, capacity: int = 1, device: str = "cpu") -> None:
@@ -19,8 +23,7 @@ class KVCache:
         self.num_layers, self.dtype, self.device = num_layers, dtype, device
         self.num_rows = 0
         self._capacity = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self._keys = self._values = None
         self._lengths = torch.zeros(0, dtype=torch.int32)
         self._grow(max(1, capacity))
 
@@ -28,16 +31,22 @@ class KVCache:
     def max_seq_len(self) -> int:
         return self.shape[1]
 
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return list(self._keys.unbind(0))
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return list(self._values.unbind(0))
+
     def _grow(self, capacity: int) -> None:
         def grown(old: torch.Tensor | None) -> torch.Tensor:
-            new = torch.zeros(capacity, *self.shape, dtype=self.dtype, device=self.device)
+            new = torch.zeros(self.num_layers, capacity, *self.shape, dtype=self.dtype, device=self.device)
             if old is not None:
-                new[: self.num_rows] = old[: self.num_rows]
+                new[:, : self.num_rows] = old[:, : self.num_rows]
             return new
 
-        had = bool(self.keys)
-        self.keys = [grown(self.keys[i] if had else None) for i in range(self.num_layers)]
-        self.values = [grown(self.values[i] if had else None) for i in range(self.num_layers)]
+        self._keys, self._values = grown(self._keys), grown(self._values)
         lengths = torch.zeros(capacity, dtype=torch.int32)
         lengths[: self.num_rows] = self._lengths[: self.num_rows]
         self._lengths, self._capacity = lengths, capacity
@@ -56,8 +65,8 @@ class KVCache:
         drop = set(rows)
         keep = torch.tensor([r for r in range(self.num_rows) if r not in drop], dtype=torch.long)
         keep_on_device = keep.to(self.device)
-        for tensor in (*self.keys, *self.values):
-            tensor[: len(keep)] = tensor[keep_on_device]
+        for tensor in (self._keys, self._values):
+            tensor[:, : len(keep)] = tensor[:, keep_on_device]
         self._lengths[: len(keep)] = self._lengths[keep].clone()
         self.num_rows = len(keep)
 
@@ -67,9 +76,9 @@ class KVCache:
         return self._lengths[: self.num_rows]
 
     def views(self, rows: slice | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Key and value views ``[n, Hkv, S_max, D]`` of the live rows (no copy)."""
+        """Per-layer key and value views ``[n, Hkv, S_max, D]`` of the live rows (contiguous, no copy)."""
         rows = rows or slice(0, self.num_rows)
-        return [k[rows] for k in self.keys], [v[rows] for v in self.values]
+        return list(self._keys[:, rows].unbind(0)), list(self._values[:, rows].unbind(0))
 
     def commit(self, present_keys, present_values, source_index: torch.Tensor, counts: torch.Tensor,
                rows: slice | None = None) -> None:
@@ -82,20 +91,15 @@ class KVCache:
             counts: int ``[n]``, how many of ``source_index[r]`` are valid.
         """
         rows = rows or slice(0, self.num_rows)
-        row_ids = torch.arange(self._capacity)[rows]
+        first_row = rows.start or 0
         lengths = self._lengths[rows]
-        width = source_index.shape[1]
-        slot = torch.arange(width)
-        valid = slot[None, :] < counts[:, None]  # [n, A]
         if int((lengths + counts.to(torch.int32)).max()) > self.max_seq_len:
             raise RuntimeError("KV cache overflow: a sequence is longer than max_seq_len")
-        row_index = row_ids[:, None].expand(-1, width)[valid]  # [M]
-        dest = (lengths[:, None].long() + slot[None, :])[valid]  # [M]
-        src_rows = torch.arange(len(row_ids))[:, None].expand(-1, width)[valid]
-        src_tokens = source_index[valid]
-        if self.device != "cpu":
-            row_index, dest, src_rows, src_tokens = (t.to(self.device) for t in (row_index, dest, src_rows, src_tokens))
-        for cache, present in zip((*self.keys, *self.values), (*present_keys, *present_values)):
-            # cache.permute: [cap, S, Hkv, D] view; present.permute: [n, T, Hkv, D]
-            cache.permute(0, 2, 1, 3)[row_index, dest] = present.permute(0, 2, 1, 3)[src_rows, src_tokens].to(self.dtype)
+        counts_list, starts = counts.tolist(), lengths.tolist()
+        source_index = source_index.to(self.device)
+        for cache, presents in ((self._keys, present_keys), (self._values, present_values)):
+            new = torch.stack(presents)  # [L, n, Hkv, T, D]: small, only this step's tokens
+            for i, (start, count) in enumerate(zip(starts, counts_list)):
+                if count:  # one slice copy per row for all layers
+                    cache[:, first_row + i, :, start : start + count] = new[:, i, :, source_index[i, :count]]
         self._lengths[rows] += counts.to(torch.int32)

@@ -98,7 +98,8 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
             heads.to(torch_dtype)
 
         progress(f"writing target.onnx ({attention} attention, {dtype})")
-        target_tensors = export_target(model, heads, tmp / "target.onnx", dtype, attention, on_layer)
+        target_tensors = export_target(model, heads, tmp / "target.onnx", dtype, attention, on_layer,
+                                       max_positions=min(max_seq, cfg.max_position_embeddings))
         draft_tensors = None
         if heads is not None:
             progress("writing draft_step.onnx")

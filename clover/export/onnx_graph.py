@@ -89,9 +89,11 @@ class GraphWriter:
         return self.op("Add", y, self.weight(f"{name}.bias", layer.bias)) if layer.bias is not None else y
 
     def rms_norm(self, x: str, norm, name: str) -> str:
-        mean_square = self.op("ReduceMean", self.op("Mul", x, x), self.const([-1], np.int64), keepdims=1)
-        inv = self.op("Reciprocal", self.op("Sqrt", self.op("Add", mean_square, self.const(norm.eps))))
-        return self.op("Mul", self.op("Mul", x, inv), self.weight(f"{name}.weight", norm.weight))
+        # Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul: the pattern onnxruntime fuses into one
+        # SimplifiedLayerNormalization node (per-node overhead dominates at T = 1 on CPU)
+        mean_square = self.op("ReduceMean", self.op("Pow", x, self.const(2.0)), self.const([-1], np.int64), keepdims=1)
+        normed = self.op("Div", x, self.op("Sqrt", self.op("Add", mean_square, self.const(norm.eps))))
+        return self.op("Mul", normed, self.weight(f"{name}.weight", norm.weight))
 
     def silu(self, x: str) -> str:
         return self.op("Mul", x, self.op("Sigmoid", x))
@@ -107,6 +109,25 @@ def _rope(g: GraphWriter, position_ids: str, head_dim: int, theta: float):
     if g.onnx_dtype != TensorProto.FLOAT:
         cos, sin = g.op("Cast", cos, to=g.onnx_dtype), g.op("Cast", sin, to=g.onnx_dtype)
     return cos, sin
+
+
+class _RotaryCache:
+    """onnxruntime's ``com.microsoft.RotaryEmbedding``: one node per q/k instead of seven.
+
+    cos/sin tables ``[max_positions, D/2]`` are computed in fp32 exactly as
+    :func:`clover.target.rope_cos_sin` does.
+    """
+
+    def __init__(self, g: GraphWriter, head_dim: int, theta: float, max_positions: int) -> None:
+        inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), torch.from_numpy(inv_freq))
+        self.cos = g.weight("rope.cos_cache", freqs.cos())
+        self.sin = g.weight("rope.sin_cache", freqs.sin())
+
+    def apply(self, g: GraphWriter, x: str, position_ids: str, num_heads: int) -> str:
+        """x ``[B, T, heads*D]`` -> same shape, rotated (rotate-half layout)."""
+        return g.op("RotaryEmbedding", x, position_ids, self.cos, self.sin, domain="com.microsoft",
+                    interleaved=0, num_heads=num_heads)
 
 
 def _apply_rope(g: GraphWriter, x: str, cos: str, sin: str, head_dim: int) -> str:
@@ -173,12 +194,18 @@ def _plugin_attention(g, q, k, v, past_k, past_v, past_lengths, packed_mask, cfg
     return g.op("Reshape", out, g.const([0, 0, -1], np.int64))
 
 
-def _decoder_layer(g, layer, name, x, cos, sin, past_k, past_v, present_k, present_v, cfg, attention, shared, inputs):
+def _decoder_layer(g, layer, name, x, rope, past_k, past_v, present_k, present_v, cfg, attention, shared, inputs):
     h = g.rms_norm(x, layer.input_layernorm, f"{name}.input_layernorm")
     attn = layer.self_attn
     split = lambda t, heads: g.op("Reshape", t, g.const([0, 0, heads, cfg.head_dim], np.int64))  # noqa: E731
-    q = _apply_rope(g, split(g.linear(h, attn.q_proj, f"{name}.q_proj"), cfg.num_heads), cos, sin, cfg.head_dim)
-    k = _apply_rope(g, split(g.linear(h, attn.k_proj, f"{name}.k_proj"), cfg.num_kv_heads), cos, sin, cfg.head_dim)
+    q, k = g.linear(h, attn.q_proj, f"{name}.q_proj"), g.linear(h, attn.k_proj, f"{name}.k_proj")
+    if isinstance(rope, _RotaryCache):
+        q = split(rope.apply(g, q, inputs[1], cfg.num_heads), cfg.num_heads)
+        k = split(rope.apply(g, k, inputs[1], cfg.num_kv_heads), cfg.num_kv_heads)
+    else:
+        cos, sin = rope
+        q = _apply_rope(g, split(q, cfg.num_heads), cos, sin, cfg.head_dim)
+        k = _apply_rope(g, split(k, cfg.num_kv_heads), cos, sin, cfg.head_dim)
     v = split(g.linear(h, attn.v_proj, f"{name}.v_proj"), cfg.num_kv_heads)
     g.op("Transpose", k, perm=[0, 2, 1, 3], outputs=[present_k])  # [B, Hkv, T, D]
     g.op("Transpose", v, perm=[0, 2, 1, 3], outputs=[present_v])
@@ -195,8 +222,8 @@ def _decoder_layer(g, layer, name, x, cos, sin, past_k, past_v, present_k, prese
 
 def _save(g: GraphWriter, graph: onnx.GraphProto, path: Path, check: bool = True) -> None:
     opsets = [helper.make_opsetid("", OPSET)]
-    if any(n.domain == PLUGIN_DOMAIN for n in graph.node):
-        opsets.append(helper.make_opsetid(PLUGIN_DOMAIN, 1))
+    for domain in sorted({n.domain for n in graph.node} - {""}):
+        opsets.append(helper.make_opsetid(domain, 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="clover")
     model.ir_version = 9
     g.close()
@@ -207,10 +234,12 @@ def _save(g: GraphWriter, graph: onnx.GraphProto, path: Path, check: bool = True
 
 
 def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtype: str = "fp32",
-                  attention: str = "standard", on_layer=None) -> dict:
+                  attention: str = "standard", on_layer=None, max_positions: int = 2048) -> dict:
     """Write ``target.onnx`` (+ ``target.onnx.data``): target plus Augmenting Block.
 
     ``on_layer(done, total)`` is called after each layer is written (progress).
+    The standard variant uses onnxruntime's RotaryEmbedding op with tables for
+    ``max_positions`` positions; the plugin variant (TensorRT) uses plain ops.
     Returns the tensor table for ``engine.json``.
     """
     if attention not in ("standard", "plugin"):
@@ -234,13 +263,16 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
     names = [i.name for i in inputs]
     shared = None if attention == "plugin" else _AttentionInputs(g, names[0], names[2], names[3],
                                                                  cfg.num_heads // cfg.num_kv_heads)
-    cos, sin = _rope(g, "position_ids", cfg.head_dim, cfg.rope_theta)
+    if attention == "plugin":
+        rope = _rope(g, "position_ids", cfg.head_dim, cfg.rope_theta)
+    else:
+        rope = _RotaryCache(g, cfg.head_dim, cfg.rope_theta, max_positions)
     embed = g.weight("embed_tokens.weight", target.embed_tokens.weight)
     x = g.op("Gather", embed, "input_ids", axis=0)
     last_input = x
     for i, layer in enumerate(target.layers):
         last_input = x
-        x = _decoder_layer(g, layer, f"layers.{i}", x, cos, sin, cache_names[2 * i], cache_names[2 * i + 1],
+        x = _decoder_layer(g, layer, f"layers.{i}", x, rope, cache_names[2 * i], cache_names[2 * i + 1],
                            present_names[2 * i], present_names[2 * i + 1], cfg, attention, shared, names)
         if on_layer is not None:
             on_layer(i + 1, num_kv)
@@ -253,7 +285,7 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
         g.op("Identity", x, outputs=["h0"])
     else:
         i = cfg.num_layers
-        h0 = _decoder_layer(g, augment, "augment", last_input, cos, sin, cache_names[2 * i], cache_names[2 * i + 1],
+        h0 = _decoder_layer(g, augment, "augment", last_input, rope, cache_names[2 * i], cache_names[2 * i + 1],
                             present_names[2 * i], present_names[2 * i + 1], cfg, attention, shared, names)
         g.op("Identity", h0, outputs=["h0"])
     graph = helper.make_graph(g.nodes, "clover_target", inputs, outputs, g.initializers)

@@ -1,0 +1,400 @@
+"""In-flight batching: one background thread drives :class:`~clover.decode.SpeculativeDecoder`.
+
+Requests arrive from any thread (:meth:`InflightBatcher.submit`). The decode
+thread admits them between steps, so a new request joins the running batch
+at the next step without waiting for the others; finished and cancelled
+requests leave at once. After every step each request's callback receives an
+:class:`Update` with its new tokens and the new text (text that can still
+change, such as a partial UTF-8 character or the start of a stop string, is
+held back until it is settled).
+
+The :class:`~clover.decode.SpeculativeDecoder` is only ever touched by the
+decode thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Callable
+
+from clover.decode import GenerationRequest, SpeculativeDecoder, SequenceStats
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_MESSAGE = "the server is shutting down; the request was cancelled"
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """Counters of one request. ``draft_tokens``: the draft depth tried, summed over its steps."""
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    decode_steps: int = 0
+    accepted_draft_tokens: int = 0
+    draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return (self.output_tokens - 1) / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclasses.dataclass
+class Update:
+    """What a request's callback receives after a step.
+
+    ``token_ids`` / ``text``: new since the previous update (concatenated, they give the
+    whole answer). ``error`` is set when the request failed; it is then ``finished``.
+    """
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    stats: RequestStats
+    error: str | None = None
+
+
+class TextStream:
+    """Incremental detokenisation whose deltas never need to be taken back.
+
+    The whole answer is decoded each time (``skip_special_tokens``), cut before
+    the first stop string; until the answer is finished, a trailing partial
+    character (U+FFFD) and a tail that could be the start of a stop string are
+    held back. The concatenated deltas equal :attr:`clover.decode.SequenceResult.text`.
+    """
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.token_ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token_ids: list[int], finished: bool) -> str:
+        self.token_ids.extend(token_ids)
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cuts = [text.index(s) for s in self.stop_strings if s in text]
+        if cuts:
+            text = text[: min(cuts)]
+        if not finished:
+            hold = 0
+            for stop in self.stop_strings:
+                for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                    if text.endswith(stop[:k]):
+                        hold = k
+                        break
+            text = text[: len(text) - hold]
+            while text.endswith("\ufffd"):
+                text = text[:-1]
+        if not text.startswith(self.sent):
+            return ""  # the tokenizer revised earlier text; what was sent stays
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+@dataclasses.dataclass
+class BatcherMetrics:
+    """Totals since start, plus the current batch. Read a copy with :meth:`InflightBatcher.metrics`."""
+
+    requests_submitted: int = 0
+    requests_finished: dict[str, int] = dataclasses.field(default_factory=dict)  # by finish reason, and "error"
+    output_tokens: int = 0
+    decode_tokens: int = 0  # output tokens that came from decode steps (all but each request's first)
+    batch_steps: int = 0  # decoder.step() calls that ran the engine
+    sequence_steps: int = 0  # target passes summed over sequences
+    accepted_draft_tokens: int = 0
+    draft_tokens: int = 0
+    active_batch_size: int = 0
+    pending_requests: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.decode_tokens / self.sequence_steps if self.sequence_steps else 0.0
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.sequence_steps / self.batch_steps if self.batch_steps else 0.0
+
+    def copy(self) -> "BatcherMetrics":
+        return dataclasses.replace(self, requests_finished=dict(self.requests_finished))
+
+
+class RequestHandle:
+    """Returned by :meth:`InflightBatcher.submit`; :meth:`cancel` stops the request at the next step."""
+
+    def __init__(self, batcher: "InflightBatcher", entry: "_Entry") -> None:
+        self._batcher, self._entry = batcher, entry
+
+    @property
+    def id(self) -> int:
+        return self._entry.id
+
+    @property
+    def done(self) -> bool:
+        return self._entry.done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._entry.done.wait(timeout)
+
+    def cancel(self) -> None:
+        self._batcher._cancel(self._entry)
+
+
+class _Entry:
+    def __init__(self, entry_id: int, request: GenerationRequest, on_update: Callable[[Update], None],
+                 is_cancelled: Callable[[], bool] | None, tokenizer) -> None:
+        self.id, self.request = entry_id, request
+        self.on_update, self.is_cancelled = on_update, is_cancelled
+        self.text = TextStream(tokenizer, request.stop_strings)
+        self.stats = RequestStats(prompt_tokens=len(request.prompt_ids))
+        self.seq_stats: SequenceStats | None = None
+        self.seq_id: int | None = None
+        self.cancel_requested = False
+        self.last_poll = 0.0
+        self.done = threading.Event()
+
+
+class InflightBatcher:
+    """Decodes concurrent requests together on a background thread.
+
+    Args:
+        make_decoder: builds the :class:`SpeculativeDecoder` (called once at start, and
+            again to start afresh if a decode step raises).
+        on_step: called on the decode thread with a :class:`BatcherMetrics` copy after each
+            step (e.g. to export Prometheus metrics).
+        cancel_poll_s: how often each live request's ``is_cancelled`` is asked at most.
+    """
+
+    def __init__(self, make_decoder: Callable[[], SpeculativeDecoder],
+                 on_step: Callable[[BatcherMetrics], None] | None = None,
+                 cancel_poll_s: float = 0.05, name: str = "clover-decode") -> None:
+        self._make_decoder = make_decoder
+        self.decoder = make_decoder()
+        self.tokenizer = self.decoder.tokenizer
+        self.max_seq_len = self.decoder.engine.spec.max_seq_len
+        self.on_step = on_step
+        self.cancel_poll_s = cancel_poll_s
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._inbox: list[_Entry] = []
+        self._cancels: list[_Entry] = []
+        self._live: dict[int, _Entry] = {}  # by decoder seq_id
+        self._stopping = False
+        self._metrics = BatcherMetrics()
+        self._metrics_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- any thread -------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        """The checks :meth:`SpeculativeDecoder.submit` makes, without touching the decoder."""
+        if not request.prompt_ids:
+            raise ValueError("empty prompt")
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if len(request.prompt_ids) + 1 > self.max_seq_len:
+            raise ValueError(f"prompt of {len(request.prompt_ids)} tokens does not fit the context "
+                             f"of {self.max_seq_len} tokens")
+        if request.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    def submit(self, request: GenerationRequest, on_update: Callable[[Update], None],
+               is_cancelled: Callable[[], bool] | None = None) -> RequestHandle:
+        """Queue a request; it joins the batch at the next step.
+
+        ``on_update`` runs on the decode thread after each step that produced something for
+        this request, and once with ``finished=True``. If it raises, the request is cancelled.
+        ``is_cancelled`` (polled by the decode thread) lets the caller's transport cancel it.
+        Raises ValueError for a request the decoder would refuse, RuntimeError after shutdown.
+        """
+        self.validate(request)
+        entry = _Entry(next(self._ids), request, on_update, is_cancelled, self.tokenizer)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the batcher is shut down")
+            self._inbox.append(entry)
+            self._cond.notify()
+        with self._metrics_lock:
+            self._metrics.requests_submitted += 1
+        return RequestHandle(self, entry)
+
+    def metrics(self) -> BatcherMetrics:
+        with self._metrics_lock:
+            return self._metrics.copy()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the decode thread; requests still running get a final error update."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "InflightBatcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _cancel(self, entry: _Entry) -> None:
+        with self._cond:
+            self._cancels.append(entry)
+            self._cond.notify()
+
+    # -- decode thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._cancels or self._stopping or self.decoder.has_work):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    inbox, self._inbox = self._inbox, []
+                    cancels, self._cancels = self._cancels, []
+                for entry in cancels:
+                    entry.cancel_requested = True
+                for entry in inbox:
+                    self._admit(entry)
+                self._poll_cancellations()
+                if self.decoder.has_work:
+                    self._step()
+        except BaseException as exc:  # never leave clients waiting on a dead thread
+            log.exception("clover decode thread crashed")
+            self._fail_all(f"internal error in the decode loop: {exc}")
+            raise
+        finally:
+            with self._cond:
+                self._stopping = True
+                leftover, self._inbox = self._inbox, []
+            for entry in leftover:
+                self._finish(entry, [], "cancelled", SHUTDOWN_MESSAGE)
+            self._fail_all(SHUTDOWN_MESSAGE, "cancelled")
+            self._publish()
+
+    def _admit(self, entry: _Entry) -> None:
+        if entry.cancel_requested:
+            self._finish(entry, [], "cancelled")
+            return
+        try:
+            entry.seq_id = self.decoder.submit(entry.request)
+        except ValueError as exc:
+            self._finish(entry, [], None, str(exc))
+            return
+        # the decoder updates this SequenceStats object in place while the sequence runs
+        entry.seq_stats = self.decoder.result(entry.seq_id).stats
+        self._live[entry.seq_id] = entry
+
+    def _poll_cancellations(self) -> None:
+        now = time.monotonic()
+        for entry in self._live.values():
+            cancelled = entry.cancel_requested
+            if not cancelled and entry.is_cancelled is not None and now - entry.last_poll >= self.cancel_poll_s:
+                entry.last_poll = now
+                try:
+                    cancelled = bool(entry.is_cancelled())
+                except Exception:  # the transport is gone: nobody is listening any more
+                    cancelled = True
+            if cancelled:
+                entry.cancel_requested = True
+                self.decoder.cancel(entry.seq_id)
+
+    def _step(self) -> None:
+        try:
+            events = self.decoder.step()
+        except Exception as exc:
+            log.exception("clover decode step failed")
+            self._fail_all(f"decode step failed: {type(exc).__name__}: {exc}")
+            self.decoder = self._make_decoder()
+            self._publish()
+            return
+        batch_steps = 0
+        for event in events:
+            entry = self._live.get(event.seq_id)
+            if entry is None:
+                continue
+            batch_steps = max(batch_steps, self._account(entry, event.new_token_ids))
+            if event.finished:
+                del self._live[event.seq_id]
+                self._finish(entry, event.new_token_ids, event.finish_reason)
+            elif event.new_token_ids:
+                self._deliver(entry, event.new_token_ids, finished=False, reason=None)
+        with self._metrics_lock:
+            self._metrics.batch_steps += batch_steps
+        self._publish()
+
+    def _account(self, entry: _Entry, new_ids: list[int]) -> int:
+        """Fold the sequence's stats into the request's and the totals; 1 if it took a decode step."""
+        before = entry.stats
+        seq = entry.seq_stats
+        after = dataclasses.replace(before, output_tokens=before.output_tokens + len(new_ids))
+        if seq is not None:
+            after.decode_steps = seq.num_steps
+            after.accepted_draft_tokens = sum(seq.accepted_per_step)
+            after.draft_tokens = sum(seq.depth_tried)
+        entry.stats = after
+        with self._metrics_lock:
+            m = self._metrics
+            m.output_tokens += len(new_ids)
+            m.decode_tokens += len(new_ids) - (1 if before.output_tokens == 0 and new_ids else 0)
+            m.sequence_steps += after.decode_steps - before.decode_steps
+            m.accepted_draft_tokens += after.accepted_draft_tokens - before.accepted_draft_tokens
+            m.draft_tokens += after.draft_tokens - before.draft_tokens
+        return int(after.decode_steps > before.decode_steps)
+
+    def _deliver(self, entry: _Entry, new_ids: list[int], finished: bool, reason: str | None,
+                 error: str | None = None) -> None:
+        text = entry.text.push(new_ids, finished) if error is None else ""
+        update = Update(list(new_ids), text, finished, reason, dataclasses.replace(entry.stats), error)
+        try:
+            entry.on_update(update)
+        except Exception:
+            log.warning("clover: a response callback failed; cancelling that request", exc_info=True)
+            if not finished and entry.seq_id is not None:
+                entry.cancel_requested = True
+                self.decoder.cancel(entry.seq_id)
+
+    def _finish(self, entry: _Entry, new_ids: list[int], reason: str | None, error: str | None = None) -> None:
+        if entry.done.is_set():
+            return
+        self._deliver(entry, new_ids, True, reason if error is None else (reason or "error"), error)
+        entry.done.set()
+        key = "error" if error is not None and reason != "cancelled" else (reason or "error")
+        with self._metrics_lock:
+            self._metrics.requests_finished[key] = self._metrics.requests_finished.get(key, 0) + 1
+
+    def _fail_all(self, message: str, reason: str | None = None) -> None:
+        live, self._live = self._live, {}
+        for entry in live.values():
+            self._finish(entry, [], reason, message)
+
+    def _publish(self) -> None:
+        with self._metrics_lock:
+            self._metrics.active_batch_size = self.decoder.num_running
+            self._metrics.pending_requests = len(self._live) - self.decoder.num_running + len(self._inbox)
+            snapshot = self._metrics.copy()
+        if self.on_step is not None:
+            try:
+                self.on_step(snapshot)
+            except Exception:
+                log.warning("clover: the metrics callback failed", exc_info=True)

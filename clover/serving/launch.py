@@ -1,0 +1,191 @@
+"""``clover serve``: run tritonserver on the Clover model repository, and the end-to-end demo.
+
+:func:`serve` writes a temporary copy of ``triton_repo/`` whose model points
+at the engine (the committed repository is left as it is), starts
+tritonserver, waits for readiness with a deadline, prints the endpoints and
+runs until Ctrl-C, which it forwards for a clean shutdown.
+
+:func:`run_demo` is the whole path on one machine: build the demo engine if it
+is missing, start the server, stream answers to a few prompts through
+tritonclient, compare acceptance rate and tokens/s against vanilla decoding on
+the same engine (a second model in the same server), and stop the server.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TextIO
+
+from clover.config import ConfigError
+from clover.serving.engines import default_engine_dir
+from clover.serving.repository import MODEL_NAME, source_repository, write_repository
+from clover.serving.server import ServerError, TritonServer
+
+DEMO_PROMPTS = (
+    "Explain speculative decoding in two sentences.",
+    "Write a Python function that checks whether a number is prime.",
+    "What is the capital of France? Answer briefly.",
+)
+
+
+def _checkout_root() -> Path:
+    return source_repository().parent
+
+
+def resolve_serve_engine(engine: str | Path | None, backend: str = "auto") -> Path:
+    """The engine directory to serve; ConfigError with the build command if there is none."""
+    engine_dir = Path(engine) if engine is not None else default_engine_dir(_checkout_root())
+    if backend != "torch" and not (engine_dir / "engine.json").exists():
+        raise ConfigError(f"no engine at {engine_dir}; build it with: python export/build_engine.py --output "
+                          f"{engine_dir}   (or pass --engine DIR)")
+    return engine_dir
+
+
+class _SigtermAsInterrupt:
+    """While serving, SIGINT (Ctrl-C) and SIGTERM both raise KeyboardInterrupt, so both stop the server
+    cleanly (SIGINT too where it was inherited as ignored, as in background jobs of a script)."""
+
+    def __enter__(self):
+        def handler(signum, frame):
+            raise KeyboardInterrupt
+
+        self.previous = {}
+        try:
+            self.previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, handler)
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+
+
+def serve(engine: str | Path | None = None, *, backend: str = "auto", method: str = "auto", max_batch: int = 0,
+          tree_budget: int | None = None, threads: int = 0, host: str = "0.0.0.0", http_port: int = 8000,
+          grpc_port: int = 8001, metrics_port: int = 8002, model_repository: str | Path | None = None,
+          startup_timeout_s: float = 600.0, log_file: str | Path | None = None, out: TextIO = sys.stdout) -> int:
+    """Serve until Ctrl-C (or SIGTERM); returns the exit code."""
+    workdir = Path(tempfile.mkdtemp(prefix="clover-serve-"))
+    server = None
+    try:
+        if model_repository is not None:
+            repo = Path(model_repository)
+            what = f"model repository {repo}"
+        else:
+            engine_dir = resolve_serve_engine(engine, backend)
+            params = {"engine_dir": str(engine_dir), "backend": backend, "method": method,
+                      "max_batch": str(max_batch), "threads": str(threads)}
+            if tree_budget is not None:
+                params["tree_budget"] = str(tree_budget)
+            repo = write_repository(workdir / "model_repository", {MODEL_NAME: params})
+            what = f"engine {engine_dir}"
+        with _SigtermAsInterrupt():
+            try:
+                server = TritonServer(repo, http_port, grpc_port, metrics_port, host=host, log_file=log_file)
+                print(f"[clover] starting tritonserver ({server.install.source}: {server.install.binary}) on {what}",
+                      file=out, flush=True)
+                server.start()
+                server.wait_ready(startup_timeout_s)
+                shown = "localhost" if host in ("0.0.0.0", "::") else host
+                print(f"[clover] ready (pid {server.pid}).\n"
+                      f"  HTTP    http://{shown}:{server.http_port}  (POST /v2/models/{MODEL_NAME}/generate, "
+                      f"/v2/models/{MODEL_NAME}/generate_stream)\n"
+                      f"  gRPC    {shown}:{server.grpc_port}\n"
+                      f"  metrics http://{shown}:{server.metrics_port}/metrics\n"
+                      f"  try: clover client --url {shown}:{server.grpc_port} --prompt \"Hello!\"\n"
+                      "Ctrl-C stops the server.", file=out, flush=True)
+                code = server.wait()
+                print(f"[clover] tritonserver exited with code {code}", file=out, flush=True)
+                return 1 if code else 0
+            except KeyboardInterrupt:
+                print("\n[clover] stopping tritonserver ...", file=out, flush=True)
+                code = server.stop() if server is not None else None
+                print(f"[clover] stopped (exit code {code})", file=out, flush=True)
+                return 0
+    except ServerError as exc:
+        print(f"clover: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens: int = 96,
+             startup_timeout_s: float = 600.0, out: TextIO = sys.stdout) -> int:
+    """Build (if needed) and serve the demo engine, stream answers, compare with vanilla, stop."""
+    from clover.client import GrpcClient, collect
+
+    engine_dir = Path(engine) if engine is not None else default_engine_dir(_checkout_root())
+    if not (engine_dir / "engine.json").exists():
+        from clover.export.engine_dir import build_engine
+
+        print(f"[clover] building the demo engine in {engine_dir} (once)", file=out, flush=True)
+        build_engine(engine_dir, "demo", overwrite=True)
+    workdir = Path(tempfile.mkdtemp(prefix="clover-demo-"))
+    try:
+        repo = write_repository(workdir / "model_repository",
+                                {MODEL_NAME: {"engine_dir": str(engine_dir)},
+                                 f"{MODEL_NAME}_vanilla": {"engine_dir": str(engine_dir), "method": "vanilla"}})
+        with _SigtermAsInterrupt(), TritonServer(repo, 0, 0, 0, host="127.0.0.1",
+                                                 log_file=workdir / "tritonserver.log") as server:
+            print(f"[clover] starting tritonserver on {engine_dir} ...", file=out, flush=True)
+            start = time.perf_counter()
+            server.start().wait_ready(startup_timeout_s)
+            print(f"[clover] ready in {time.perf_counter() - start:.0f} s: gRPC {server.grpc_url}, "
+                  f"HTTP {server.http_url}, metrics {server.metrics_url}", file=out, flush=True)
+            rows = []
+            with GrpcClient(server.grpc_url, MODEL_NAME) as fast, \
+                    GrpcClient(server.grpc_url, f"{MODEL_NAME}_vanilla") as plain:
+                for client in (fast, plain):  # warm-up
+                    client.generate("Hi", 4)
+                for prompt in prompts:
+                    print(f"\n>>> {prompt}", file=out, flush=True)
+                    begin = time.perf_counter()
+
+                    def shown(chunks):
+                        for chunk in chunks:
+                            out.write(chunk.text)
+                            out.flush()
+                            yield chunk
+
+                    clover = collect(shown(fast.stream(prompt, max_tokens)), begin)
+                    vanilla = plain.generate(prompt, max_tokens)
+                    out.write("\n")
+                    rows.append((clover, vanilla))
+                    perf = clover.perf or {}
+                    steps = perf.get("num_decode_steps") or 0
+                    print(f"[clover {clover.tokens_per_second:5.1f} tok/s, acceptance rate "
+                          f"{perf.get('acceptance_rate', 0.0):.2f}, "
+                          f"{(len(clover.token_ids) - 1) / steps if steps else 0:.2f} tokens/step | vanilla "
+                          f"{vanilla.tokens_per_second:5.1f} tok/s | same text: "
+                          f"{'yes' if clover.text == vanilla.text else 'NO'}]", file=out, flush=True)
+            c_tokens = sum(len(c.token_ids) for c, _ in rows)
+            v_tokens = sum(len(v.token_ids) for _, v in rows)
+            c_time = sum(c.seconds for c, _ in rows)
+            v_time = sum(v.seconds for _, v in rows)
+            accepted = sum((c.perf or {}).get("total_accepted_draft_tokens", 0) for c, _ in rows)
+            drafted = sum((c.perf or {}).get("total_draft_tokens", 0) for c, _ in rows)
+            same = all(c.text == v.text for c, v in rows)
+            print(f"\n[clover] {len(rows)} prompts through Triton (gRPC streaming): clover "
+                  f"{c_tokens / c_time:.1f} tok/s, vanilla {v_tokens / v_time:.1f} tok/s on the same engine "
+                  f"(x{(c_tokens / c_time) / (v_tokens / v_time):.2f}); acceptance rate "
+                  f"{accepted / drafted if drafted else 0:.2f}; identical text: {'yes' if same else 'NO'}",
+                  file=out, flush=True)
+            print("[clover] stopping the server", file=out, flush=True)
+        return 0 if same else 1
+    except ServerError as exc:
+        print(f"clover: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\n[clover] interrupted; the server was stopped", file=sys.stderr)
+        return 130
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

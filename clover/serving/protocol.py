@@ -1,0 +1,272 @@
+"""The Triton model's interface: tensor names, request validation, ``config.pbtxt``.
+
+Names follow tensorrtllm_backend where it has one (DESIGN §4). The model runs
+with ``max_batch_size: 0`` (Triton does no batching of its own: the in-flight
+batcher does), so every scalar input has shape ``[1]``.
+
+Nothing here imports ``triton_python_backend_utils``: a request is read through
+a ``get(name) -> numpy array | None`` callable, so the same code validates
+requests in the unit tests and in the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Mapping
+
+import numpy as np
+
+from clover.config import ConfigError, SamplingConfig
+from clover.decode import GenerationRequest
+
+
+class RequestError(ValueError):
+    """A bad request: reported to that client only, the server keeps serving."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of the model; ``dtype`` is Triton's (``TYPE_`` prefix left out)."""
+
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+    optional: bool = False
+    doc: str = ""
+
+
+INPUTS = (
+    TensorSpec("text_input", "STRING", (1,), doc="the prompt, UTF-8 (the chat template is applied by default)"),
+    TensorSpec("max_tokens", "INT32", (1,), doc="new tokens at most, 1 .. the engine's context"),
+    TensorSpec("stream", "BOOL", (1,), True, "true: one response per decode step with the new text"),
+    TensorSpec("temperature", "FP32", (1,), True, "0 (default) is greedy; > 0 samples"),
+    TensorSpec("top_k", "INT32", (1,), True, "sample from the k most likely tokens (0: off)"),
+    TensorSpec("top_p", "FP32", (1,), True, "nucleus mass in (0, 1]"),
+    TensorSpec("end_id", "INT32", (1,), True, "stop token id (default: the tokenizer's EOS)"),
+    TensorSpec("stop_words", "STRING", (-1,), True, "stop strings; the text ends before the first one"),
+    TensorSpec("random_seed", "UINT64", (1,), True, "seed for sampling"),
+    TensorSpec("return_perf_metrics", "BOOL", (1,), True, "also return the acceptance counters"),
+    TensorSpec("apply_chat_template", "BOOL", (1,), True, "wrap text_input as one user turn (default: model parameter)"),
+)
+
+OUTPUTS = (
+    TensorSpec("text_output", "STRING", (-1,), doc="streaming: the new text of this step; else the whole answer"),
+    TensorSpec("output_ids", "INT32", (-1,), doc="the token ids that text_output covers"),
+    TensorSpec("finish_reason", "STRING", (1,), doc="final response only: stop, length or cancelled"),
+    TensorSpec("acceptance_rate", "FP32", (1,), doc="accepted draft tokens / draft tokens (perf metrics)"),
+    TensorSpec("total_accepted_draft_tokens", "INT32", (1,), doc="draft tokens the target accepted (perf metrics)"),
+    TensorSpec("total_draft_tokens", "INT32", (1,),
+               doc="draft depth tried, summed over steps: the most draft tokens that could have been accepted"),
+    TensorSpec("num_decode_steps", "INT32", (1,), doc="target passes after the prompt (perf metrics)"),
+)
+
+# Model-config parameters (string values); "" keeps the default described here.
+PARAMETERS = {
+    "engine_dir": ("", "engine directory; empty: $CLOVER_ENGINE_DIR, else engines/demo beside the model repository. "
+                       "A relative path is taken from the model repository's parent"),
+    "backend": ("auto", "auto (the backend engine.json names), onnxruntime, tensorrt, or torch (engine_dir is then "
+                        "a Hugging Face checkpoint directory or 'demo')"),
+    "method": ("auto", "auto (clover when the engine has draft heads, else vanilla), clover, medusa or vanilla"),
+    "max_batch": ("0", "sequences decoded together at most; 0: the engine's max_batch"),
+    "tree_budget": ("", "draft tree nodes per step (default: the engine's tree defaults)"),
+    "threads": ("0", "CPU threads of the engine (0: the backend's default)"),
+    "apply_chat_template": ("true", "default of the apply_chat_template input"),
+}
+
+_INT = "integer"
+_FLOAT = "number"
+_BOOL = "boolean"
+
+
+def render_model_config(parameters: Mapping[str, str] | None = None, instances: int = 1) -> str:
+    """The ``config.pbtxt`` text of the Clover model, with ``parameters`` filled in.
+
+    The committed ``triton_repo/clover/config.pbtxt`` is this text with the defaults.
+    """
+    values = {name: default for name, (default, _) in PARAMETERS.items()}
+    for key, value in (parameters or {}).items():
+        if key not in PARAMETERS:
+            raise ConfigError(f"unknown model parameter {key!r}; known: {', '.join(PARAMETERS)}")
+        values[key] = str(value)
+
+    def tensor(spec: TensorSpec) -> str:
+        dims = ", ".join(str(d) for d in spec.dims)
+        optional = " optional: true" if spec.optional else ""
+        return f'  {{ name: "{spec.name}" data_type: TYPE_{spec.dtype} dims: [ {dims} ]{optional} }}'
+
+    lines = [
+        "# Clover speculative decoding (generated by clover.serving.protocol.render_model_config; keep in sync).",
+        "# Decoupled Python model: streaming responses, in-flight batching inside the model.",
+        'backend: "python"',
+        "max_batch_size: 0",
+        "model_transaction_policy { decoupled: true }",
+        "input [",
+        ",\n".join(tensor(s) for s in INPUTS),
+        "]",
+        "output [",
+        ",\n".join(tensor(s) for s in OUTPUTS),
+        "]",
+        f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]",
+    ]
+    for name, (_, doc) in PARAMETERS.items():
+        lines.append(f"# {name}: {doc}")
+        lines.append(f'parameters: {{ key: "{name}" value: {{ string_value: "{_escape(values[name])}" }} }}')
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def model_parameters(model_config: Mapping) -> dict[str, str]:
+    """String parameters of a model config (Triton's JSON form), defaults filled in."""
+    values = {name: default for name, (default, _) in PARAMETERS.items()}
+    for key, value in (model_config.get("parameters") or {}).items():
+        values[key] = value.get("string_value", "") if isinstance(value, Mapping) else str(value)
+    return values
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    generation: GenerationRequest
+    stream: bool
+    return_perf_metrics: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: the engine's context and vocabulary."""
+
+    max_seq_len: int
+    vocab_size: int
+    apply_chat_template: bool = True
+
+
+def parse_request(get: Callable[[str], "np.ndarray | None"], tokenizer, limits: RequestLimits,
+                  request_id=None) -> ParsedRequest:
+    """Validate one request's inputs and turn them into a :class:`GenerationRequest`.
+
+    ``get(name)`` returns the input as a numpy array, or None when it is absent.
+    Raises :class:`RequestError` with a message for the client.
+    """
+    from clover.cli import encode_prompt
+
+    for spec in INPUTS:
+        if not spec.optional and get(spec.name) is None:
+            raise RequestError(f"missing required input '{spec.name}'")
+
+    raw = _one(get, "text_input")
+    if isinstance(raw, (bytes, np.bytes_)):
+        try:
+            text = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"text_input is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    elif isinstance(raw, str):
+        text = raw
+    else:
+        raise RequestError(f"text_input must be BYTES (a string), got {type(raw).__name__}")
+    if not text:
+        raise RequestError("text_input is empty")
+
+    max_tokens = _number(get, "max_tokens", _INT, None)
+    if max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens > limits.max_seq_len:
+        raise RequestError(f"max_tokens {max_tokens} is larger than the engine's context of {limits.max_seq_len} tokens")
+
+    temperature = _number(get, "temperature", _FLOAT, 0.0)
+    top_p = _number(get, "top_p", _FLOAT, 1.0)
+    if not math.isfinite(temperature) or not math.isfinite(top_p):
+        raise RequestError("temperature and top_p must be finite numbers")
+    try:
+        sampling = SamplingConfig(temperature=float(temperature), top_k=int(_number(get, "top_k", _INT, 0)),
+                                  top_p=float(top_p))
+    except ConfigError as exc:
+        raise RequestError(f"{exc} (got temperature={temperature:g}, top_p={top_p:g})") from None
+
+    stop_ids = None
+    end_id = _number(get, "end_id", _INT, None)
+    if end_id is not None:
+        if not 0 <= end_id < limits.vocab_size:
+            raise RequestError(f"end_id {end_id} is outside the vocabulary [0, {limits.vocab_size})")
+        stop_ids = (int(end_id),)
+
+    stop_words: list[str] = []
+    words = get("stop_words")
+    if words is not None:
+        for word in np.asarray(words, dtype=object).reshape(-1):
+            if isinstance(word, (bytes, np.bytes_)):
+                try:
+                    word = bytes(word).decode("utf-8")
+                except UnicodeDecodeError:
+                    raise RequestError("stop_words holds a string that is not valid UTF-8") from None
+            if not isinstance(word, str):
+                raise RequestError("stop_words must be BYTES (strings)")
+            if word:
+                stop_words.append(word)
+
+    seed = _number(get, "random_seed", _INT, 0)
+    chat = _flag(get, "apply_chat_template", limits.apply_chat_template)
+    prompt_ids = encode_prompt(tokenizer, text, chat)
+    if not prompt_ids:
+        raise RequestError("text_input encodes to no tokens")
+    if len(prompt_ids) + 1 > limits.max_seq_len:
+        raise RequestError(f"the prompt is {len(prompt_ids)} tokens; the engine's context is {limits.max_seq_len} "
+                           "tokens, so it must be shorter")
+    generation = GenerationRequest(prompt_ids, max_new_tokens=int(max_tokens), sampling=sampling,
+                                   stop_token_ids=stop_ids, stop_strings=tuple(stop_words), seed=int(seed),
+                                   request_id=request_id)
+    return ParsedRequest(generation, _flag(get, "stream", False), _flag(get, "return_perf_metrics", False))
+
+
+def _one(get, name: str):
+    value = get(name)
+    if value is None:
+        return None
+    array = np.asarray(value)
+    if array.size != 1:
+        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _number(get, name: str, kind: str, default):
+    value = _one(get, name)
+    if value is None:
+        return default
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise RequestError(f"input '{name}' must be a {kind}, got {type(value).__name__}")
+    if kind == _INT:
+        if isinstance(value, (float, np.floating)):
+            raise RequestError(f"input '{name}' must be an integer, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def _flag(get, name: str, default: bool) -> bool:
+    value = _one(get, name)
+    if value is None:
+        return default
+    if not isinstance(value, (bool, np.bool_)):
+        raise RequestError(f"input '{name}' must be a boolean, got {type(value).__name__}")
+    return bool(value)
+
+
+def response_tensors(text: str, token_ids: list[int], finish_reason: str | None = None, stats=None,
+                     perf: bool = False) -> dict[str, np.ndarray]:
+    """The output tensors of one response (numpy arrays by output name).
+
+    ``stats``: a :class:`clover.serving.batcher.RequestStats`, needed when ``perf``.
+    """
+    out = {
+        "text_output": np.array([text.encode("utf-8")], dtype=object),
+        "output_ids": np.asarray(token_ids, dtype=np.int32).reshape(-1),
+    }
+    if finish_reason is not None:
+        out["finish_reason"] = np.array([finish_reason.encode()], dtype=object)
+    if perf and stats is not None:
+        out["acceptance_rate"] = np.array([stats.acceptance_rate], dtype=np.float32)
+        out["total_accepted_draft_tokens"] = np.array([stats.accepted_draft_tokens], dtype=np.int32)
+        out["total_draft_tokens"] = np.array([stats.draft_tokens], dtype=np.int32)
+        out["num_decode_steps"] = np.array([stats.decode_steps], dtype=np.int32)
+    return out

@@ -1,0 +1,319 @@
+"""Launch the real Triton Inference Server on a model repository (DESIGN §4).
+
+:func:`find_tritonserver` prefers a ``tritonserver`` on ``PATH`` (an NVIDIA
+container) and otherwise uses the binary of the ``nvidia-pytriton`` wheel
+(Triton 2.51 with the Python backend). For the wheel, :class:`TritonServer`
+puts the Python-backend stub matching this interpreter into a private backend
+directory, puts the wheel's bundled libraries (and this Python's shared
+``libpython``) on ``LD_LIBRARY_PATH`` and this environment's ``bin/`` first on
+``PATH``, so the stub runs this Python with these packages.
+
+:meth:`TritonServer.wait_ready` polls ``/v2/health/ready`` against a deadline
+(a stub that cannot start makes the load hang forever). :meth:`TritonServer.stop`
+sends SIGINT for Triton's clean shutdown, and kills by PID what is still
+running after the timeout, then removes its stubs' shared-memory regions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+SHM_PREFIX = "triton_python_backend_shm_region_"
+
+
+class ServerError(RuntimeError):
+    """tritonserver is missing, failed, or did not become ready in time."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonInstall:
+    """Where the server binary and (for the wheel) its Python backend pieces are."""
+
+    binary: Path
+    source: str  # "PATH" or "nvidia-pytriton"
+    python_backend: Path | None = None  # directory with libtriton_python.so
+    stub: Path | None = None  # triton_python_backend_stub for this Python version
+    libs: Path | None = None  # the wheel's bundled shared libraries
+
+
+def find_tritonserver() -> TritonInstall:
+    """A ``tritonserver`` on PATH, else the ``nvidia-pytriton`` wheel's. Raises ServerError if neither."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonInstall(Path(on_path), "PATH")
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("no tritonserver on PATH and the nvidia-pytriton wheel is not installed; "
+                          "install it with: pip install nvidia-pytriton (or pip install -e '.[serve]')")
+    root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    binary = root / "bin" / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    backend = root / "backends" / "python"
+    if not binary.exists() or not (backend / "libtriton_python.so").exists():
+        raise ServerError(f"the nvidia-pytriton wheel at {root.parent} has no tritonserver binary or Python backend")
+    if not stub.exists():
+        have = sorted(p.name for p in (root / "python_backend_stubs").iterdir()) if (root / "python_backend_stubs").exists() else []
+        raise ServerError(f"nvidia-pytriton has no Python backend stub for Python {version} (it has: {', '.join(have)})")
+    return TritonInstall(binary, "nvidia-pytriton", backend, stub, root.parent.parent / "nvidia_pytriton.libs")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def shm_regions() -> set[str]:
+    """Names of the Python backend's shared-memory regions now in /dev/shm."""
+    try:
+        return {name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+def _checkout_root() -> Path:
+    import clover
+
+    return Path(clover.__file__).resolve().parent.parent
+
+
+class TritonServer:
+    """One tritonserver process on a model repository.
+
+    Args:
+        model_repository: the repository directory.
+        http_port, grpc_port, metrics_port: 0 picks a free port.
+        host: address the three endpoints bind to.
+        log_file: where the server's stdout/stderr go (None: inherited).
+        extra_args: more tritonserver options.
+        exit_timeout_s: Triton's ``--exit-timeout-secs`` (wait for in-flight requests at shutdown).
+    """
+
+    def __init__(self, model_repository: str | Path, http_port: int = 8000, grpc_port: int = 8001,
+                 metrics_port: int = 8002, host: str = "0.0.0.0", log_file: str | Path | None = None,
+                 extra_args: tuple[str, ...] = (), exit_timeout_s: int = 15,
+                 install: TritonInstall | None = None) -> None:
+        self.install = install or find_tritonserver()
+        self.model_repository = Path(model_repository).resolve()
+        bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else host
+        self.host = bind
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.log_file = Path(log_file) if log_file is not None else None
+        self.extra_args = tuple(extra_args)
+        self.exit_timeout_s = exit_timeout_s
+        self.process: subprocess.Popen | None = None
+        self._workdir: Path | None = None
+        self._log_handle = None
+        self._stub_regions: set[str] = set()
+
+    # -- endpoints --------------------------------------------------------
+
+    @property
+    def client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    # -- lifecycle --------------------------------------------------------
+
+    def command(self, backend_directory: Path | None) -> list[str]:
+        cmd = [str(self.install.binary), f"--model-repository={self.model_repository}",
+               f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+               f"--http-address={self.host}", f"--grpc-address={self.host}", f"--metrics-address={self.host}",
+               "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
+               f"--exit-timeout-secs={self.exit_timeout_s}"]
+        if backend_directory is not None:
+            cmd.append(f"--backend-directory={backend_directory}")
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = os.environ.copy()
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        libs = []
+        if self.install.libs is not None:
+            if sysconfig.get_config_var("Py_ENABLE_SHARED") and sysconfig.get_config_var("LIBDIR"):
+                libs.append(sysconfig.get_config_var("LIBDIR"))  # the stub then embeds this Python's libpython
+            libs.append(str(self.install.libs))
+        if env.get("LD_LIBRARY_PATH"):
+            libs.append(env["LD_LIBRARY_PATH"])
+        if libs:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+        root = str(_checkout_root())
+        env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else root
+        return env
+
+    def _backend_directory(self) -> Path | None:
+        if self.install.stub is None:
+            return None
+        self._workdir = Path(tempfile.mkdtemp(prefix="clover-triton-"))
+        python = self._workdir / "backends" / "python"
+        python.mkdir(parents=True)
+        for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+            if (self.install.python_backend / name).exists():
+                (python / name).symlink_to(self.install.python_backend / name)
+        shutil.copy2(self.install.stub, python / "triton_python_backend_stub")
+        return self._workdir / "backends"
+
+    def start(self) -> "TritonServer":
+        if self.process is not None:
+            raise ServerError("already started")
+        backend_directory = self._backend_directory()
+        if self.log_file is not None:
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
+            self._log_handle = open(self.log_file, "ab")
+        out = self._log_handle if self._log_handle is not None else None
+        # a session of its own: a terminal's Ctrl-C reaches us, and we forward it (stop())
+        self.process = subprocess.Popen(self.command(backend_directory), env=self.environment(), stdout=out,
+                                        stderr=subprocess.STDOUT if out is not None else None,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def log_tail(self, chars: int = 4000) -> str:
+        if self.log_file is None or not self.log_file.exists():
+            return ""
+        return self.log_file.read_text(errors="replace")[-chars:]
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout_s: float = 300.0) -> "TritonServer":
+        """Block until ``/v2/health/ready`` answers 200; raise ServerError if the server exits or the deadline passes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._note_stubs()
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was ready"
+                                  + self._tail_note())
+            if self.is_ready():
+                self._note_stubs()
+                return self
+            if time.monotonic() > deadline:
+                raise ServerError(f"tritonserver was not ready after {timeout_s:.0f} s (a Python backend stub that "
+                                  "cannot start hangs the model load)" + self._tail_note())
+            time.sleep(0.25)
+
+    def _tail_note(self) -> str:
+        tail = self.log_tail()
+        return f"; end of its log ({self.log_file}):\n{tail}" if tail else ""
+
+    def _stub_pids(self) -> list[int]:
+        """PIDs of this server's Python backend stubs (its children), read from /proc."""
+        if self.process is None:
+            return []
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == self.process.pid:
+                pids.append(int(entry.name))
+        return pids
+
+    def _note_stubs(self) -> None:
+        """Remember the shared-memory regions this server's stubs use (named on their command lines)."""
+        for pid in self._stub_pids():
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for arg in args:
+                name = arg.decode(errors="replace").lstrip("/")
+                if name.startswith(SHM_PREFIX):
+                    self._stub_regions.add(name)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGINT (clean shutdown), then SIGKILL by PID after ``timeout_s``; returns the exit code."""
+        if self.process is None:
+            return None
+        timeout_s = self.exit_timeout_s + 15 if timeout_s is None else timeout_s
+        try:
+            if self.process.poll() is None:
+                self._note_stubs()
+                stubs = self._stub_pids()
+                self.process.send_signal(signal.SIGINT)
+                try:
+                    self.process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.kill(stubs)
+            return self.process.returncode
+        finally:
+            self._cleanup()
+
+    def kill(self, stubs: list[int] | None = None) -> None:
+        """SIGKILL the server and its stubs by PID, and remove the stubs' shared memory."""
+        if self.process is None:
+            return
+        stubs = self._stub_pids() if stubs is None else stubs
+        for pid in [self.process.pid, *stubs]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        for region in self._stub_regions:
+            try:
+                os.unlink(f"/dev/shm/{region}")
+            except FileNotFoundError:
+                pass
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        if self._log_handle is not None:
+            self._log_handle.close()
+            self._log_handle = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> "TritonServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

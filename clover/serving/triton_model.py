@@ -1,0 +1,207 @@
+"""The logic of the Triton Python-backend model (``triton_repo/clover/1/model.py`` forwards here).
+
+The ``pb_utils`` module (``triton_python_backend_utils``, only importable inside
+Triton's Python stub) is passed in, so this module imports without Triton and
+the unit tests drive it with a stand-in.
+
+Decoupled mode: :meth:`CloverTritonModel.execute` validates each request,
+hands it to the :class:`~clover.serving.batcher.InflightBatcher` and returns at
+once; the decode thread sends the responses. A bad request gets an error
+response of its own; the other requests and the server carry on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from clover.config import ConfigError
+from clover.decode import SpeculativeDecoder
+from clover.serving.batcher import BatcherMetrics, InflightBatcher, Update
+from clover.serving.engines import load_serving_engine, resolve_engine_dir
+from clover.serving.protocol import RequestError, RequestLimits, model_parameters, parse_request, response_tensors
+
+
+def _int_param(params: dict, name: str, default: int | None) -> int | None:
+    value = params.get(name, "")
+    if value in ("", None):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"model parameter {name}={value!r} is not an integer") from None
+
+
+def _bool_param(params: dict, name: str) -> bool:
+    value = str(params.get(name, "")).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"model parameter {name}={value!r} is not a boolean")
+
+
+class CloverTritonModel:
+    """What ``TritonPythonModel`` does, given the ``pb_utils`` module and Triton's ``initialize`` args."""
+
+    def __init__(self, pb_utils, args: dict) -> None:
+        self.pb = pb_utils
+        config = json.loads(args["model_config"])
+        self.name = args.get("model_name", "clover")
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise ConfigError(f"model {self.name}: config.pbtxt must set model_transaction_policy {{ decoupled: true }}")
+        params = model_parameters(config)
+        model_dir = Path(args.get("model_repository", "."))
+        engine_dir = resolve_engine_dir(params["engine_dir"], model_dir.parent.parent)
+        start = time.perf_counter()
+        try:
+            loaded = load_serving_engine(engine_dir, params["backend"] or "auto", params["method"] or "auto",
+                                         _int_param(params, "max_batch", 0), _int_param(params, "tree_budget", None),
+                                         _int_param(params, "threads", 0))
+        except ConfigError as exc:
+            raise ConfigError(f"model {self.name}: cannot load the engine (parameter engine_dir={engine_dir}): "
+                              f"{exc}") from None
+        self.loaded = loaded
+        self.limits = RequestLimits(loaded.engine.spec.max_seq_len, loaded.engine.spec.vocab_size,
+                                    _bool_param(params, "apply_chat_template"))
+        labels = {"model": self.name, "version": str(args.get("model_version", "1"))}
+        self.prometheus = _PrometheusMetrics(pb_utils, labels) if hasattr(pb_utils, "MetricFamily") else None
+
+        def make_decoder() -> SpeculativeDecoder:
+            return SpeculativeDecoder(loaded.engine, loaded.method, loaded.tree, loaded.tokenizer,
+                                      max_batch_size=loaded.max_batch)
+
+        on_step = self.prometheus.update if self.prometheus is not None else None
+        self.batcher = InflightBatcher(make_decoder, on_step=on_step)
+        self._log(f"clover: {self.name} serves {loaded.description} with {loaded.method} decoding, "
+                  f"in-flight batch up to {loaded.max_batch}, context {self.limits.max_seq_len} tokens "
+                  f"(loaded in {time.perf_counter() - start:.1f} s)")
+
+    def _log(self, message: str) -> None:
+        logger = getattr(self.pb, "Logger", None)
+        if logger is not None:
+            logger.log_info(message)
+        else:
+            print(message, flush=True)
+
+    def execute(self, requests) -> None:
+        for request in requests:
+            self._start(request)
+        return None
+
+    def _start(self, request) -> None:
+        sender = request.get_response_sender()
+
+        def get(name):
+            tensor = self.pb.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        try:
+            parsed = parse_request(get, self.loaded.tokenizer, self.limits, request_id=request.request_id())
+            responder = _Responder(self.pb, sender, parsed.stream, parsed.return_perf_metrics)
+            is_cancelled = getattr(sender, "is_cancelled", None) or getattr(request, "is_cancelled", None)
+            self.batcher.submit(parsed.generation, responder, is_cancelled)
+        except (RequestError, ValueError, RuntimeError) as exc:
+            if self.prometheus is not None:
+                self.prometheus.rejected()
+            sender.send(self.pb.InferenceResponse(error=_error(self.pb, str(exc))),
+                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def finalize(self) -> None:
+        self.batcher.shutdown()
+
+
+def _error(pb, message: str):
+    code = getattr(getattr(pb, "TritonError", None), "INVALID_ARG", None)
+    return pb.TritonError(message) if code is None else pb.TritonError(message, code)
+
+
+class _Responder:
+    """Turns :class:`Update` objects into Triton responses: one per step when streaming, else one at the end."""
+
+    def __init__(self, pb, sender, stream: bool, perf: bool) -> None:
+        self.pb, self.sender, self.stream, self.perf = pb, sender, stream, perf
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+
+    def __call__(self, update: Update) -> None:
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if update.error is not None:
+            self.sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(update.error)), flags=final)
+            return
+        if self.stream:
+            text, ids = update.text, update.token_ids
+        else:
+            self.text.append(update.text)
+            self.token_ids.extend(update.token_ids)
+            if not update.finished:
+                return
+            text, ids = "".join(self.text), self.token_ids
+        tensors = response_tensors(text, ids, update.finish_reason if update.finished else None, update.stats,
+                                   self.perf)
+        response = self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(k, v) for k, v in tensors.items()])
+        self.sender.send(response, flags=final if update.finished else 0)
+
+
+class _PrometheusMetrics:
+    """Custom metrics beside Triton's own (``/metrics``), labelled with the model and version."""
+
+    def __init__(self, pb, labels: dict) -> None:
+        family = pb.MetricFamily
+        self.labels = labels
+
+        def make(name, description, kind):
+            return family(name=name, description=description, kind=kind)
+
+        self._requests = make("clover_requests_total",
+                              "Clover requests finished, by reason: stop, length, cancelled, error, rejected",
+                              family.COUNTER)
+        self._request_metrics = {}
+        counters = {
+            "output_tokens": ("clover_output_tokens_total", "Tokens generated"),
+            "batch_steps": ("clover_batch_steps_total", "Decode steps of the in-flight batch (target passes)"),
+            "sequence_steps": ("clover_sequence_steps_total", "Decode steps summed over the sequences in the batch"),
+            "accepted_draft_tokens": ("clover_accepted_draft_tokens_total", "Draft tokens the target accepted"),
+            "draft_tokens": ("clover_draft_tokens_total", "Draft depth tried, summed over sequence steps"),
+        }
+        gauges = {
+            "acceptance_rate": ("clover_acceptance_rate", "Accepted draft tokens / draft tokens, since start"),
+            "tokens_per_step": ("clover_tokens_per_step", "Tokens per sequence per decode step, since start"),
+            "active_batch_size": ("clover_active_batch_size", "Sequences in the in-flight batch now"),
+            "pending_requests": ("clover_pending_requests", "Requests waiting for a batch slot now"),
+        }
+        self._families = [self._requests]
+        self._counters, self._gauges = {}, {}
+        for key, (name, description) in counters.items():
+            fam = make(name, description, family.COUNTER)
+            self._families.append(fam)
+            self._counters[key] = fam.Metric(labels=labels)
+        for key, (name, description) in gauges.items():
+            fam = make(name, description, family.GAUGE)
+            self._families.append(fam)
+            self._gauges[key] = fam.Metric(labels=labels)
+        self._last = BatcherMetrics()
+        self._rejected = 0
+
+    def _request_metric(self, reason: str):
+        if reason not in self._request_metrics:
+            self._request_metrics[reason] = self._requests.Metric(labels={**self.labels, "reason": reason})
+        return self._request_metrics[reason]
+
+    def rejected(self) -> None:
+        self._request_metric("rejected").increment(1)
+
+    def update(self, metrics: BatcherMetrics) -> None:
+        last = self._last
+        for key, metric in self._counters.items():
+            delta = getattr(metrics, key) - getattr(last, key)
+            if delta:
+                metric.increment(delta)
+        for reason, count in metrics.requests_finished.items():
+            delta = count - last.requests_finished.get(reason, 0)
+            if delta:
+                self._request_metric(reason).increment(delta)
+        for key, metric in self._gauges.items():
+            metric.set(float(getattr(metrics, key)))
+        self._last = metrics
