@@ -11,11 +11,9 @@ from pathlib import Path
 
 import torch
 
-from clover.config import ConfigError, TargetConfig
-from clover.engine import DraftResult, EngineSpec, TargetResult, cache_input_names, present_output_names
-from clover.export.engine_dir import read_engine_meta
-
-_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+from clover.config import ConfigError
+from clover.engine import DraftResult, TargetResult, cache_input_names, present_output_names
+from clover.export.engine_dir import engine_spec, read_engine_meta
 
 
 def _session(path: Path, threads: int | None):
@@ -47,21 +45,8 @@ class OnnxRuntimeEngine:
                 raise ConfigError(f"{engine_dir}: {name} is missing; rebuild the engine")
         self.target_session = _session(self.engine_dir / files["target"], threads)
         self.draft_session = _session(self.engine_dir / files["draft_step"], threads) if files.get("draft_step") else None
-        cfg = TargetConfig.from_dict(meta["target_config"])
-        drafter = meta.get("drafter_config")
-        num_kv = meta["num_kv_layers"]
-        self.spec = EngineSpec(
-            num_kv_layers=num_kv,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            hidden_size=cfg.hidden_size,
-            vocab_size=cfg.vocab_size,
-            max_seq_len=meta["limits"]["max_seq"],
-            draft_top_k=meta.get("draft_top_k", 8),
-            num_draft_heads=drafter["num_heads"] if drafter else 0,
-            drafter_method=drafter["method"] if drafter else None,
-            dtype=_TORCH_DTYPES[meta.get("dtype", "fp32")],
-        )
+        self.spec = engine_spec(meta)
+        num_kv = self.spec.num_kv_layers
         self._cache_names = cache_input_names(num_kv)
         self._present_names = present_output_names(num_kv)
         self._target_outputs = ["logits", "h0", *self._present_names]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from clover.config import ConfigError, TargetConfig
-from clover.engine import DraftResult, EngineSpec, TargetResult, cache_input_names, present_output_names
-from clover.export.engine_dir import read_engine_meta
+from clover.config import ConfigError
+from clover.engine import DraftResult, TargetResult, cache_input_names, present_output_names
+from clover.export.engine_dir import engine_spec, read_engine_meta
 
 TENSORRT_MISSING = ("TensorRT is not installed (`import tensorrt` failed); the tensorrt backend needs an NVIDIA GPU "
                     "host with TensorRT 10 (pip install tensorrt) and the plugin built from trt_plugins/")
@@ -87,15 +87,8 @@ class TensorRTEngine:
         self.target_plan = _Plan(trt, runtime, self.engine_dir / files["target_plan"])
         self.draft_plan = _Plan(trt, runtime, self.engine_dir / files["draft_step_plan"]) if files.get("draft_step_plan") else None
         self.stream = torch.cuda.Stream()
-        cfg = TargetConfig.from_dict(meta["target_config"])
-        drafter = meta.get("drafter_config")
-        num_kv = meta["num_kv_layers"]
-        self.spec = EngineSpec(
-            num_kv_layers=num_kv, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
-            vocab_size=cfg.vocab_size, max_seq_len=meta["limits"]["max_seq"], draft_top_k=meta.get("draft_top_k", 8),
-            num_draft_heads=drafter["num_heads"] if drafter else 0, drafter_method=drafter["method"] if drafter else None,
-            dtype=torch.float16 if meta.get("dtype") == "fp16" else torch.float32, device="cuda",
-        )
+        self.spec = engine_spec(meta, device="cuda")
+        num_kv = self.spec.num_kv_layers
         self._cache_names = cache_input_names(num_kv)
         self._present_names = present_output_names(num_kv)
 

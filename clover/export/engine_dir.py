@@ -158,3 +158,27 @@ def read_engine_meta(engine_dir: str | Path) -> dict:
         if key not in meta:
             raise ConfigError(f"{path}: missing {key!r}; rebuild the engine")
     return meta
+
+
+def engine_spec(meta: dict, device: str = "cpu"):
+    """The :class:`~clover.engine.EngineSpec` an engine directory describes."""
+    import torch
+
+    from clover.config import TargetConfig
+    from clover.engine import EngineSpec
+
+    cfg = TargetConfig.from_dict(meta["target_config"])
+    drafter = meta.get("drafter_config")
+    return EngineSpec(
+        num_kv_layers=meta["num_kv_layers"],
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        max_seq_len=meta["limits"]["max_seq"],
+        draft_top_k=meta.get("draft_top_k", 8),
+        num_draft_heads=drafter["num_heads"] if drafter else 0,
+        drafter_method=drafter["method"] if drafter else None,
+        dtype={"fp32": torch.float32, "fp16": torch.float16}[meta.get("dtype", "fp32")],
+        device=device,
+    )
