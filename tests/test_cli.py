@@ -89,3 +89,29 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("CLOVER_CACHE_DIR", str(tmp_path / "env"))
     assert demo.cache_root() == tmp_path / "env"
     assert demo.cache_root(tmp_path / "flag") == tmp_path / "flag"
+
+
+def test_stop_strings_cut_text_and_tokens(tiny_checkpoint):
+    from clover.backends.torch import TorchEngine
+    from clover.cli import encode_prompt
+    from clover.config import TreeConfig
+    from clover.decode import GenerationRequest, SpeculativeDecoder
+    from clover.target import load_tokenizer
+
+    target = load_target(tiny_checkpoint)
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    engine = TorchEngine(target, make_drafter(target, num_heads=3))
+    prompt = encode_prompt(tokenizer, "tell me a story")
+    full = SpeculativeDecoder(engine, "vanilla", tokenizer=tokenizer).generate(
+        [GenerationRequest(prompt, max_new_tokens=30, stop_token_ids=())])[0]
+    text = tokenizer.decode(full.token_ids)
+    stop = text[12:14]  # two characters from the middle of the vanilla answer
+    first = text.index(stop)
+    for method in ("vanilla", "clover"):
+        result = SpeculativeDecoder(engine, method, TreeConfig(budget=4), tokenizer=tokenizer).generate(
+            [GenerationRequest(prompt, max_new_tokens=30, stop_token_ids=(), stop_strings=(stop,))])[0]
+        assert result.finish_reason == "stop"
+        assert result.text == text[:first]
+        kept = result.token_ids
+        assert full.token_ids[: len(kept)] == kept
+        assert stop in tokenizer.decode(kept) and stop not in tokenizer.decode(kept[:-1])
