@@ -141,13 +141,21 @@ class GrpcClient:
         try:
             self.client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
             tensors = self._tensors(fields)
-            self.client.async_stream_infer(self.model, tensors, request_id=uuid.uuid4().hex,
-                                           enable_empty_final_response=True)
+            try:
+                self.client.async_stream_infer(self.model, tensors, request_id=uuid.uuid4().hex,
+                                               enable_empty_final_response=True)
+            except Exception as exc:  # tritonclient reports the cause (e.g. unreachable server) via the callback
+                finished = True
+                try:
+                    _, error, _ = responses.get(timeout=5)
+                except queue.Empty:
+                    error = exc
+                raise ClientError(f"{self.url}: {_message(error)}") from None
             while not finished:
                 result, error, arrived = responses.get()
                 if error is not None:
                     finished = True
-                    raise ClientError(str(error.message() if hasattr(error, "message") else error))
+                    raise ClientError(_message(error))
                 response = result.get_response()
                 final = response.parameters.get("triton_final_response")
                 finished = bool(final and final.bool_param)
@@ -175,6 +183,11 @@ class GrpcClient:
         """One non-streaming request (one response with the whole answer)."""
         start = time.perf_counter()
         return collect(self.stream(prompt, max_tokens, stream=False, **options), start)
+
+
+def _message(error) -> str:
+    message = error.message() if callable(getattr(error, "message", None)) else None
+    return str(message or error)
 
 
 def _chunk(outputs: dict, arrived: float) -> Chunk:
@@ -214,12 +227,16 @@ class HttpClient:
         finally:
             client.close()
 
-    def _post(self, endpoint: str, body: dict) -> http.client.HTTPResponse:
+    def _post(self, endpoint: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         host, _, port = self.url.partition(":")
         conn = http.client.HTTPConnection(host, int(port or 80), timeout=self.timeout)
-        conn.request("POST", f"/v2/models/{self.model}/{endpoint}", json.dumps(body),
-                     {"Content-Type": "application/json"})
-        response = conn.getresponse()
+        try:
+            conn.request("POST", f"/v2/models/{self.model}/{endpoint}", json.dumps(body),
+                         {"Content-Type": "application/json"})
+            response = conn.getresponse()
+        except OSError as exc:
+            conn.close()
+            raise ClientError(f"cannot reach {self.url}: {exc}") from exc
         if response.status != 200:
             payload = response.read().decode(errors="replace")
             conn.close()
@@ -228,7 +245,7 @@ class HttpClient:
             except json.JSONDecodeError:
                 message = payload
             raise ClientError(f"HTTP {response.status}: {message}")
-        return response
+        return conn, response
 
     @staticmethod
     def _body(fields: dict) -> dict:
@@ -240,14 +257,17 @@ class HttpClient:
 
     def generate_raw(self, body: dict, start: float | None = None) -> Result:
         start = time.perf_counter() if start is None else start
-        response = self._post("generate", self._body(body))
-        data = json.loads(response.read())
-        response.close()
+        conn, response = self._post("generate", self._body(body))
+        try:
+            data = json.loads(response.read())
+        finally:
+            conn.close()
         return collect(iter([_chunk(data, time.perf_counter())]), start)
 
     def stream(self, prompt: str, max_tokens: int = 128, **options) -> Iterator[Chunk]:
-        """Yield server-sent events as chunks; closing the connection early stops reading."""
-        response = self._post("generate_stream", self._body(request_fields(prompt, max_tokens, True, **options)))
+        """Yield server-sent events as chunks. Leaving the loop early closes the connection, which cancels
+        the request on the server."""
+        conn, response = self._post("generate_stream", self._body(request_fields(prompt, max_tokens, True, **options)))
         try:
             for line in response:
                 line = line.strip()
@@ -258,7 +278,7 @@ class HttpClient:
                     raise ClientError(data["error"])
                 yield _chunk(data, time.perf_counter())
         finally:
-            response.close()
+            conn.close()
 
 
 # -- load generator -------------------------------------------------------------

@@ -43,16 +43,19 @@ class GenerationRequest:
 @dataclasses.dataclass
 class SequenceStats:
     """num_steps: target passes after the prompt; accepted_per_step: accepted draft
-    tokens per step; depth_tried[d] / depth_accepted[d]: steps whose tree reached
-    depth d+1, and steps that accepted a token there."""
+    tokens per step; num_draft_tokens: draft tree nodes proposed, summed over
+    steps; depth_tried[d] / depth_accepted[d]: steps whose tree reached depth
+    d+1, and steps that accepted a token there."""
 
     num_steps: int = 0
+    num_draft_tokens: int = 0
     accepted_per_step: list[int] = dataclasses.field(default_factory=list)
     depth_tried: list[int] = dataclasses.field(default_factory=list)
     depth_accepted: list[int] = dataclasses.field(default_factory=list)
 
     def record(self, tree: TokenTree, accepted: Accepted) -> None:
         self.num_steps += 1
+        self.num_draft_tokens += len(tree) - 1
         depth_reached, accepted_depth = max(tree.depths), len(accepted.path) - 1
         self.accepted_per_step.append(accepted_depth)
         for d in range(depth_reached):

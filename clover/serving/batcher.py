@@ -30,7 +30,7 @@ SHUTDOWN_MESSAGE = "the server is shutting down; the request was cancelled"
 
 @dataclasses.dataclass
 class RequestStats:
-    """Counters of one request. ``draft_tokens``: the draft depth tried, summed over its steps."""
+    """Counters of one request. ``draft_tokens``: draft tree nodes proposed, summed over its steps."""
 
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -225,7 +225,7 @@ class InflightBatcher:
         self.validate(request)
         entry = _Entry(next(self._ids), request, on_update, is_cancelled, self.tokenizer)
         with self._cond:
-            if self._stopping:
+            if self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the batcher is shut down")
             self._inbox.append(entry)
             self._cond.notify()
@@ -351,7 +351,7 @@ class InflightBatcher:
         if seq is not None:
             after.decode_steps = seq.num_steps
             after.accepted_draft_tokens = sum(seq.accepted_per_step)
-            after.draft_tokens = sum(seq.depth_tried)
+            after.draft_tokens = seq.num_draft_tokens
         entry.stats = after
         with self._metrics_lock:
             m = self._metrics

@@ -179,6 +179,10 @@ def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens:
                   f"(x{(c_tokens / c_time) / (v_tokens / v_time):.2f}); acceptance rate "
                   f"{accepted / drafted if drafted else 0:.2f}; identical text: {'yes' if same else 'NO'}",
                   file=out, flush=True)
+            if drafted and accepted / drafted < 0.2:
+                print("[clover] the draft heads rarely hit (untrained heads?): speculative steps then cost more "
+                      "than they save; trained heads (--drafter for export/build_engine.py) give the speed-up",
+                      file=out, flush=True)
             print("[clover] stopping the server", file=out, flush=True)
         return 0 if same else 1
     except ServerError as exc:

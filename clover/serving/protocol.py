@@ -57,7 +57,7 @@ OUTPUTS = (
     TensorSpec("acceptance_rate", "FP32", (1,), doc="accepted draft tokens / draft tokens (perf metrics)"),
     TensorSpec("total_accepted_draft_tokens", "INT32", (1,), doc="draft tokens the target accepted (perf metrics)"),
     TensorSpec("total_draft_tokens", "INT32", (1,),
-               doc="draft depth tried, summed over steps: the most draft tokens that could have been accepted"),
+               doc="draft tokens proposed (tree nodes), summed over steps"),
     TensorSpec("num_decode_steps", "INT32", (1,), doc="target passes after the prompt (perf metrics)"),
 )
 

@@ -102,10 +102,11 @@ class CloverTritonModel:
             responder = _Responder(self.pb, sender, parsed.stream, parsed.return_perf_metrics)
             is_cancelled = getattr(sender, "is_cancelled", None) or getattr(request, "is_cancelled", None)
             self.batcher.submit(parsed.generation, responder, is_cancelled)
-        except (RequestError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # RequestError / ValueError: bad input; anything else: still this request only
             if self.prometheus is not None:
                 self.prometheus.rejected()
-            sender.send(self.pb.InferenceResponse(error=_error(self.pb, str(exc))),
+            message = str(exc) if isinstance(exc, (ValueError, RuntimeError)) else f"{type(exc).__name__}: {exc}"
+            sender.send(self.pb.InferenceResponse(error=_error(self.pb, message)),
                         flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self) -> None:
@@ -163,7 +164,7 @@ class _PrometheusMetrics:
             "batch_steps": ("clover_batch_steps_total", "Decode steps of the in-flight batch (target passes)"),
             "sequence_steps": ("clover_sequence_steps_total", "Decode steps summed over the sequences in the batch"),
             "accepted_draft_tokens": ("clover_accepted_draft_tokens_total", "Draft tokens the target accepted"),
-            "draft_tokens": ("clover_draft_tokens_total", "Draft depth tried, summed over sequence steps"),
+            "draft_tokens": ("clover_draft_tokens_total", "Draft tokens proposed (tree nodes)"),
         }
         gauges = {
             "acceptance_rate": ("clover_acceptance_rate", "Accepted draft tokens / draft tokens, since start"),

@@ -1,0 +1,581 @@
+"""The serving library without Triton: request validation, the in-flight batcher, the model logic
+(driven through a stand-in for ``triton_python_backend_utils``), the repository and launcher helpers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clover.config import ConfigError
+from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.serving.batcher import InflightBatcher, TextStream
+from clover.serving.protocol import (INPUTS, PARAMETERS, RequestError, RequestLimits, model_parameters, parse_request,
+                                     render_model_config)
+from clover.serving.repository import source_repository, write_repository
+from tests.serving_support import PROMPTS, reference, tiny_engine_dir  # noqa: F401  (fixtures)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- config and repository --------------------------------------------------------------------------
+
+
+def test_committed_config_is_the_rendered_one():
+    committed = (REPO / "triton_repo" / "clover" / "config.pbtxt").read_text()
+    assert committed == render_model_config(), "regenerate triton_repo/clover/config.pbtxt with render_model_config()"
+    for name in ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "end_id", "stop_words",
+                 "return_perf_metrics", "text_output", "acceptance_rate", "total_accepted_draft_tokens",
+                 "total_draft_tokens"):
+        assert f'name: "{name}"' in committed
+    assert "decoupled: true" in committed
+
+
+def test_model_py_is_thin():
+    code = (REPO / "triton_repo" / "clover" / "1" / "model.py").read_text()
+    assert len(code.splitlines()) < 25 and "CloverTritonModel" in code
+
+
+def test_rendered_parameters_and_errors(tmp_path):
+    text = render_model_config({"engine_dir": '/a "quoted"\\path', "method": "vanilla"})
+    assert 'string_value: "/a \\"quoted\\"\\\\path"' in text and 'string_value: "vanilla"' in text
+    with pytest.raises(ConfigError, match="unknown model parameter"):
+        render_model_config({"engine": "x"})
+    params = model_parameters({"parameters": {"engine_dir": {"string_value": "/e"}}})
+    assert params["engine_dir"] == "/e" and params["method"] == PARAMETERS["method"][0]
+
+
+def test_write_repository_points_models_at_engines(tmp_path):
+    repo = write_repository(tmp_path / "repo", {"clover": {"engine_dir": "rel/engine"},
+                                                "clover_vanilla": {"engine_dir": "/abs", "method": "vanilla"}})
+    config = (repo / "clover" / "config.pbtxt").read_text()
+    assert f'string_value: "{(Path.cwd() / "rel" / "engine").resolve()}"' in config
+    assert 'string_value: "vanilla"' in (repo / "clover_vanilla" / "config.pbtxt").read_text()
+    assert (repo / "clover" / "1" / "model.py").read_text() == (source_repository() / "clover/1/model.py").read_text()
+    with pytest.raises(ConfigError, match="not empty"):
+        write_repository(tmp_path / "repo")
+
+
+# -- request validation -----------------------------------------------------------------------------
+
+
+class _Tok:
+    """Byte tokenizer with no chat template (enough for parse_request)."""
+
+    chat_template = None
+
+    def encode(self, text):
+        return list(text.encode())
+
+
+LIMITS = RequestLimits(max_seq_len=64, vocab_size=258)
+
+
+def _get(**inputs):
+    defaults = {"text_input": np.array([b"hello"], dtype=object), "max_tokens": np.array([8], dtype=np.int32)}
+    defaults.update(inputs)
+    return lambda name: defaults.get(name)
+
+
+def test_parse_request_reads_every_input():
+    parsed = parse_request(_get(stream=np.array([True]), temperature=np.array([0.7], np.float32),
+                                top_k=np.array([5], np.int32), top_p=np.array([0.9], np.float32),
+                                end_id=np.array([7], np.int32), stop_words=np.array([b"\n\n", b"", b"END"], dtype=object),
+                                random_seed=np.array([2**63 + 5], np.uint64),
+                                return_perf_metrics=np.array([True])), _Tok(), LIMITS, request_id="r1")
+    g = parsed.generation
+    assert parsed.stream and parsed.return_perf_metrics
+    assert g.prompt_ids == list(b"hello") and g.max_new_tokens == 8 and g.request_id == "r1"
+    assert (g.sampling.temperature, g.sampling.top_k) == (pytest.approx(0.7), 5)
+    assert g.sampling.top_p == pytest.approx(0.9)
+    assert g.stop_token_ids == (7,) and g.stop_strings == ("\n\n", "END") and g.seed == 2**63 + 5
+    plain = parse_request(_get(), _Tok(), LIMITS)
+    assert not plain.stream and not plain.return_perf_metrics and plain.generation.sampling.greedy
+    assert plain.generation.stop_token_ids is None
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({"text_input": None}, "missing required input 'text_input'"),
+    ({"max_tokens": None}, "missing required input 'max_tokens'"),
+    ({"text_input": np.array([b"\xff\xfe bad"], dtype=object)}, "not valid UTF-8"),
+    ({"text_input": np.array([b""], dtype=object)}, "text_input is empty"),
+    ({"text_input": np.array([b"a", b"b"], dtype=object)}, "exactly one value"),
+    ({"text_input": np.array([3], np.int32)}, "must be BYTES"),
+    ({"max_tokens": np.array([0], np.int32)}, "max_tokens must be >= 1"),
+    ({"max_tokens": np.array([-5], np.int32)}, "max_tokens must be >= 1"),
+    ({"max_tokens": np.array([10**6], np.int32)}, "larger than the engine's context of 64"),
+    ({"max_tokens": np.array([2.5], np.float32)}, "must be an integer"),
+    ({"max_tokens": np.array([[1, 2]], np.int32)}, "exactly one value"),
+    ({"text_input": np.array([b"x" * 64], dtype=object)}, "the prompt is 64 tokens"),
+    ({"temperature": np.array([-0.5], np.float32)}, "temperature must be >= 0"),
+    ({"temperature": np.array([np.nan], np.float32)}, "finite"),
+    ({"top_p": np.array([0.0], np.float32)}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": np.array([1.5], np.float32)}, r"top_p must be in \(0, 1\]"),
+    ({"top_k": np.array([-1], np.int32)}, "top_k must be >= 0"),
+    ({"end_id": np.array([999], np.int32)}, "outside the vocabulary"),
+    ({"stream": np.array([1], np.int32)}, "must be a boolean"),
+    ({"stop_words": np.array([b"\xff"], dtype=object)}, "stop_words"),
+])
+def test_parse_request_rejects_bad_input(inputs, message):
+    with pytest.raises(RequestError, match=message):
+        parse_request(_get(**inputs), _Tok(), LIMITS)
+
+
+def test_every_input_has_a_spec_and_only_text_and_max_tokens_are_required():
+    assert [s.name for s in INPUTS if not s.optional] == ["text_input", "max_tokens"]
+
+
+# -- text streaming ---------------------------------------------------------------------------------
+
+
+class _ByteTok:
+    """Decodes token i as byte i (UTF-8 with replacement), like the byte-level test tokenizer."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+    stream = TextStream(_ByteTok(), ("STOP",))
+    euro = list("€".encode())
+    pieces = [stream.push([ord("a")], False), stream.push(euro[:1], False), stream.push(euro[1:], False),
+              stream.push([ord("S"), ord("T")], False)]
+    assert pieces == ["a", "", "€", ""]  # "ST" could start "STOP"
+    assert stream.push([ord("x")], False) == "STx"
+    assert stream.push(list(b"yST"), False) == "y"
+    assert stream.push(list(b"OPzz"), True) == ""  # cut before the stop string
+    assert stream.sent == "a€STxy"
+
+
+def test_text_stream_flushes_at_the_end():
+    stream = TextStream(_ByteTok())
+    assert stream.push([0xE2], False) == ""
+    assert stream.push([], True) == "\ufffd"
+
+
+# -- the in-flight batcher --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ort_engine(tiny_engine_dir):
+    from clover.backends.onnxruntime import OnnxRuntimeEngine
+    from clover.target import load_tokenizer
+
+    return OnnxRuntimeEngine(tiny_engine_dir, threads=1), load_tokenizer(tiny_engine_dir)
+
+
+def _batcher(ort_engine, method="clover", max_batch=16, **kwargs):
+    engine, tokenizer = ort_engine
+    return InflightBatcher(lambda: SpeculativeDecoder(engine, method, tokenizer=tokenizer, max_batch_size=max_batch),
+                           **kwargs)
+
+
+class _Collector:
+    def __init__(self):
+        self.updates = []
+        self.done = threading.Event()
+
+    def __call__(self, update):
+        self.updates.append(update)
+        if update.finished:
+            self.done.set()
+
+    @property
+    def text(self):
+        return "".join(u.text for u in self.updates)
+
+    @property
+    def token_ids(self):
+        return [t for u in self.updates for t in u.token_ids]
+
+    @property
+    def final(self):
+        return self.updates[-1]
+
+
+def _wait_until(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _request(tokenizer, prompt, max_tokens, **kwargs):
+    from clover.cli import encode_prompt
+
+    return GenerationRequest(encode_prompt(tokenizer, prompt), max_new_tokens=max_tokens, **kwargs)
+
+
+def test_concurrent_requests_from_threads_equal_solo_greedy(ort_engine, reference):
+    tokenizer = ort_engine[1]
+    lengths = [5 + 3 * i for i in range(len(PROMPTS))]
+    collectors = [_Collector() for _ in PROMPTS]
+    with _batcher(ort_engine) as batcher:
+        def submit(i):
+            batcher.submit(_request(tokenizer, PROMPTS[i], lengths[i]), collectors[i])
+
+        first = [threading.Thread(target=submit, args=(i,)) for i in range(8)]
+        for t in first:
+            t.start()
+        for t in first:
+            t.join()
+        collectors[0].done.wait(30)  # the rest join a running batch
+        for i in range(8, len(PROMPTS)):
+            submit(i)
+        for c in collectors:
+            assert c.done.wait(60)
+        metrics = batcher.metrics()
+    for i, c in enumerate(collectors):
+        expected = reference(PROMPTS[i], lengths[i])
+        assert c.token_ids == expected.token_ids, PROMPTS[i]
+        assert c.text == expected.text
+        assert c.final.finish_reason == expected.finish_reason
+        assert c.final.stats.output_tokens == len(expected.token_ids)
+        assert 0 <= c.final.stats.accepted_draft_tokens <= c.final.stats.draft_tokens
+    assert metrics.mean_batch_size > 1.5  # requests really shared decode steps
+    assert metrics.output_tokens == sum(len(c.token_ids) for c in collectors)
+    assert metrics.requests_finished.get("length", 0) + metrics.requests_finished.get("stop", 0) == len(PROMPTS)
+    assert metrics.active_batch_size == 0 and metrics.pending_requests == 0
+
+
+def test_streaming_deltas_and_stop_strings(ort_engine, reference):
+    tokenizer = ort_engine[1]
+    expected = reference(PROMPTS[2], 40)
+    stop = expected.text[10:13]
+    collector = _Collector()
+    with _batcher(ort_engine) as batcher:
+        batcher.submit(_request(tokenizer, PROMPTS[2], 40, stop_strings=(stop,)), collector)
+        assert collector.done.wait(30)
+    assert collector.text == expected.text[: expected.text.index(stop)]
+    assert collector.final.finish_reason == "stop"
+    assert len(collector.updates) > 3
+
+
+def test_cancellation_by_handle_and_by_transport(ort_engine, reference):
+    tokenizer = ort_engine[1]
+    long_request = _request(tokenizer, "a", 200, stop_token_ids=())
+    by_handle, by_transport, bystander = _Collector(), _Collector(), _Collector()
+    flag = threading.Event()
+    with _batcher(ort_engine, cancel_poll_s=0.0) as batcher:
+        handle = batcher.submit(long_request, by_handle)
+        batcher.submit(long_request, by_transport, is_cancelled=flag.is_set)
+        batcher.submit(_request(tokenizer, PROMPTS[0], 30), bystander)
+        _wait_until(lambda: len(by_handle.token_ids) >= 3 and len(by_transport.token_ids) >= 3)
+        handle.cancel()
+        flag.set()
+        assert by_handle.done.wait(10) and by_transport.done.wait(10) and bystander.done.wait(30)
+        assert handle.done
+        metrics = batcher.metrics()
+    for c in (by_handle, by_transport):
+        assert c.final.finish_reason == "cancelled" and c.final.error is None
+        assert 3 <= len(c.token_ids) < 200
+    assert bystander.token_ids == reference(PROMPTS[0], 30).token_ids
+    assert metrics.requests_finished["cancelled"] == 2 and metrics.active_batch_size == 0
+
+
+def test_failing_callback_cancels_only_that_request(ort_engine, reference):
+    tokenizer = ort_engine[1]
+    good = _Collector()
+
+    def broken(update):
+        raise BrokenPipeError("client went away")
+
+    with _batcher(ort_engine) as batcher:
+        batcher.submit(_request(tokenizer, "a", 100, stop_token_ids=()), broken)
+        batcher.submit(_request(tokenizer, PROMPTS[3], 20), good)
+        assert good.done.wait(30)
+        _wait_until(lambda: batcher.metrics().requests_finished.get("cancelled", 0) >= 1)
+        assert batcher.metrics().requests_finished.get("cancelled") == 1
+    assert good.token_ids == reference(PROMPTS[3], 20).token_ids
+
+
+def test_engine_failure_fails_running_requests_and_recovers(ort_engine, reference):
+    engine, tokenizer = ort_engine
+    calls = {"n": 0}
+
+    class Flaky:
+        spec = engine.spec
+
+        def target(self, *args):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("device lost")
+            return engine.target(*args)
+
+        def draft_step(self, *args):
+            return engine.draft_step(*args)
+
+    flaky = Flaky()
+    first, second = _Collector(), _Collector()
+    batcher = InflightBatcher(lambda: SpeculativeDecoder(flaky, "clover", tokenizer=tokenizer))
+    try:
+        batcher.submit(_request(tokenizer, PROMPTS[0], 20), first)
+        assert first.done.wait(30)
+        assert "decode step failed: RuntimeError: device lost" in first.final.error
+        batcher.submit(_request(tokenizer, PROMPTS[0], 20), second)
+        assert second.done.wait(30)
+    finally:
+        batcher.shutdown()
+    assert second.final.error is None and second.token_ids == reference(PROMPTS[0], 20).token_ids
+
+
+def test_shutdown_ends_running_requests_with_an_error(ort_engine):
+    tokenizer = ort_engine[1]
+    running = _Collector()
+    batcher = _batcher(ort_engine)
+    batcher.submit(_request(tokenizer, "a", 250, stop_token_ids=()), running)
+    _wait_until(lambda: running.token_ids)
+    batcher.shutdown()
+    assert running.done.is_set() and "shutting down" in running.final.error
+    assert not batcher.alive
+    with pytest.raises(RuntimeError, match="shut down"):
+        batcher.submit(_request(tokenizer, "a", 5), _Collector())
+
+
+def test_submit_rejects_what_the_decoder_would(ort_engine):
+    tokenizer = ort_engine[1]
+    with _batcher(ort_engine) as batcher:
+        with pytest.raises(ValueError, match="empty prompt"):
+            batcher.submit(GenerationRequest([], 5), _Collector())
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            batcher.submit(GenerationRequest([1], 0), _Collector())
+        with pytest.raises(ValueError, match="does not fit"):
+            batcher.submit(GenerationRequest([1] * 300, 5), _Collector())
+        assert batcher.metrics().requests_submitted == 0
+
+
+# -- the Triton model logic, with a stand-in for triton_python_backend_utils -------------------------
+
+
+class FakePbUtils:
+    """The parts of triton_python_backend_utils the model uses."""
+
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    class TritonError(Exception):
+        INVALID_ARG = 3
+
+        def __init__(self, message, code=None):
+            super().__init__(message)
+            self.message, self.code = message, code
+
+    class Tensor:
+        def __init__(self, name, array):
+            self.name, self.array = name, array
+
+        def as_numpy(self):
+            return self.array
+
+    class InferenceResponse:
+        def __init__(self, output_tensors=None, error=None):
+            self.outputs = {t.name: t.array for t in output_tensors or []}
+            self.error = error
+
+    class MetricFamily:
+        COUNTER, GAUGE = "counter", "gauge"
+        registry: dict = {}
+
+        def __init__(self, name, description, kind):
+            self.name, self.kind = name, kind
+            FakePbUtils.MetricFamily.registry[name] = self
+            self.metrics = []
+
+        def Metric(self, labels):
+            metric = FakeMetric(labels)
+            self.metrics.append(metric)
+            return metric
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        value = request.inputs.get(name)
+        return None if value is None else FakePbUtils.Tensor(name, value)
+
+    @staticmethod
+    def using_decoupled_model_transaction_policy(config):
+        return bool(config.get("model_transaction_policy", {}).get("decoupled"))
+
+
+class FakeMetric:
+    def __init__(self, labels):
+        self.labels, self.value = labels, 0.0
+
+    def increment(self, value):
+        self.value += value
+
+    def set(self, value):
+        self.value = value
+
+
+class FakeSender:
+    def __init__(self):
+        self.responses = []
+        self.closed = threading.Event()
+        self.cancelled = False
+
+    def send(self, response=None, flags=0):
+        assert not self.closed.is_set(), "response after the final flag"
+        self.responses.append(response)
+        if flags & FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            self.closed.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+class FakeRequest:
+    def __init__(self, **inputs):
+        self.inputs = inputs
+        self.sender = FakeSender()
+
+    def get_response_sender(self):
+        return self.sender
+
+    def request_id(self):
+        return "req"
+
+
+def _args(engine_dir, decoupled=True, **params):
+    config = {"model_transaction_policy": {"decoupled": decoupled},
+              "parameters": {k: {"string_value": v} for k, v in {"engine_dir": str(engine_dir), **params}.items()}}
+    return {"model_config": json.dumps(config), "model_name": "clover", "model_version": "1",
+            "model_repository": "/nowhere/triton_repo/clover"}
+
+
+def _text(prompt):
+    return np.array([prompt.encode()], dtype=object)
+
+
+def test_triton_model_logic_streams_batches_and_rejects(tiny_engine_dir, reference):
+    from clover.serving.triton_model import CloverTritonModel
+
+    model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1"))
+    try:
+        streamed = FakeRequest(text_input=_text(PROMPTS[2]), max_tokens=np.array([25], np.int32),
+                               stream=np.array([True]), return_perf_metrics=np.array([True]))
+        whole = FakeRequest(text_input=_text(PROMPTS[4]), max_tokens=np.array([30], np.int32))
+        bad = FakeRequest(text_input=_text("hi"), max_tokens=np.array([0], np.int32))
+        model.execute([streamed, whole, bad])
+        for request in (streamed, whole, bad):
+            assert request.sender.closed.wait(30)
+    finally:
+        model.finalize()
+    assert len(bad.sender.responses) == 1 and "max_tokens must be >= 1" in bad.sender.responses[0].error.message
+    assert bad.sender.responses[0].error.code == FakePbUtils.TritonError.INVALID_ARG
+
+    expected = reference(PROMPTS[2], 25)
+    outputs = [r.outputs for r in streamed.sender.responses]
+    assert len(outputs) > 2 and all(r.error is None for r in streamed.sender.responses)
+    assert b"".join(o["text_output"][0] for o in outputs).decode() == expected.text
+    assert [int(t) for o in outputs for t in o["output_ids"]] == expected.token_ids
+    last = outputs[-1]
+    assert last["finish_reason"][0].decode() == expected.finish_reason
+    assert int(last["total_draft_tokens"][0]) >= int(last["total_accepted_draft_tokens"][0]) >= 0
+    assert int(last["num_decode_steps"][0]) == expected.stats.num_steps
+
+    assert len(whole.sender.responses) == 1
+    only = whole.sender.responses[0].outputs
+    assert only["text_output"][0].decode() == reference(PROMPTS[4], 30).text
+    assert "acceptance_rate" not in only  # perf metrics only when asked
+
+    families = FakePbUtils.MetricFamily.registry
+    for name in ("clover_acceptance_rate", "clover_tokens_per_step", "clover_active_batch_size",
+                 "clover_requests_total", "clover_output_tokens_total"):
+        assert name in families
+    assert families["clover_output_tokens_total"].metrics[0].value == len(expected.token_ids) + len(only["output_ids"])
+    reasons = {m.labels["reason"]: m.value for m in families["clover_requests_total"].metrics}
+    assert reasons["rejected"] == 1 and sum(reasons.values()) == 3
+
+
+def test_triton_model_cancellation_through_the_sender(tiny_engine_dir, reference):
+    from clover.serving.triton_model import CloverTritonModel
+
+    end_id = reference.unused_token("a", 250)
+    model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1"))
+    try:
+        request = FakeRequest(text_input=_text("a"), max_tokens=np.array([250], np.int32), stream=np.array([True]),
+                              end_id=np.array([end_id], np.int32))
+        model.execute([request])
+        _wait_until(lambda: len(request.sender.responses) >= 3)
+        request.sender.cancelled = True
+        assert request.sender.closed.wait(10)
+    finally:
+        model.finalize()
+    final = request.sender.responses[-1].outputs
+    assert final["finish_reason"][0] == b"cancelled"
+    assert sum(len(r.outputs["output_ids"]) for r in request.sender.responses) < 250
+
+
+def test_triton_model_load_errors_name_the_problem(tmp_path, tiny_engine_dir):
+    from clover.serving.triton_model import CloverTritonModel
+
+    with pytest.raises(ConfigError, match=f"engine_dir={tmp_path / 'missing'}.*does not exist"):
+        CloverTritonModel(FakePbUtils, _args(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no engine.json"):
+        CloverTritonModel(FakePbUtils, _args(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="decoupled"):
+        CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, decoupled=False))
+    with pytest.raises(ConfigError, match="method="):
+        CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, method="fast"))
+    with pytest.raises(ConfigError, match="not an integer"):
+        CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, max_batch="many"))
+
+
+def test_default_engine_dir(monkeypatch, tmp_path):
+    from clover.serving.engines import resolve_engine_dir
+
+    monkeypatch.delenv("CLOVER_ENGINE_DIR", raising=False)
+    assert resolve_engine_dir("", tmp_path) == tmp_path / "engines" / "demo"
+    assert resolve_engine_dir("mine", tmp_path) == tmp_path / "mine"
+    assert resolve_engine_dir("/abs/e", tmp_path) == Path("/abs/e")
+    monkeypatch.setenv("CLOVER_ENGINE_DIR", str(tmp_path / "env"))
+    assert resolve_engine_dir("", tmp_path) == tmp_path / "env"
+
+
+# -- launcher helpers and CLI -----------------------------------------------------------------------
+
+
+def test_server_environment_runs_this_python(tmp_path):
+    from clover.serving.server import ServerError, TritonServer, find_tritonserver
+
+    try:
+        install = find_tritonserver()
+    except ServerError as exc:
+        pytest.skip(str(exc))
+    server = TritonServer(tmp_path, 0, 0, 0, host="127.0.0.1", install=install)
+    env = server.environment()
+    import sys
+
+    assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+    assert str(REPO) in env["PYTHONPATH"].split(":")
+    command = server.command(tmp_path / "backends")
+    assert "--allow-gpu-metrics=false" in command and "--pinned-memory-pool-byte-size=0" in command
+    assert len({server.http_port, server.grpc_port, server.metrics_port}) == 3
+    if install.stub is not None:
+        assert install.libs.name == "nvidia_pytriton.libs" and install.libs.is_dir()
+        assert install.stub.parent.name == f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def test_serve_without_an_engine_says_how_to_build_one(tmp_path, capsys):
+    from clover.cli import main
+
+    assert main(["serve", "--engine", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "no engine at" in err and "export/build_engine.py --output" in err
+
+
+def test_serve_and_client_help(capsys):
+    from clover.cli import main
+
+    for command, options in (("serve", ["--engine", "--http-port", "--grpc-port", "--metrics-port", "--demo"]),
+                             ("client", ["--url", "--protocol", "--concurrency", "--no-stream", "--max-tokens"])):
+        with pytest.raises(SystemExit) as info:
+            main([command, "--help"])
+        assert info.value.code == 0
+        text = capsys.readouterr().out
+        for option in options:
+            assert option in text
