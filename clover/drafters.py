@@ -192,7 +192,7 @@ def save_drafter(drafter: Drafter, directory: str | Path, dtype: torch.dtype | N
     directory.mkdir(parents=True, exist_ok=True)
     drafter.config.save(directory / CONFIG_FILE)
     state = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in drafter.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt", "clover_method": drafter.config.method})
+    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})  # one key: reproducible bytes
 
 
 def load_drafter(directory: str | Path, target: LlamaTarget) -> Drafter:

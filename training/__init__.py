@@ -1,0 +1,13 @@
+"""Training pipeline for Clover / Medusa heads (issue 4).
+
+Stages, one command each (see ``training/README.md``)::
+
+    data.py          offline prompt set in task categories, train/eval split
+    distill.py       the target answers every prompt (self-distillation), resumable
+    hidden_cache.py  one frozen-target pass -> memory-mapped fp16 hidden states
+    train.py         heads training with checkpoints and exact resume
+    evaluate.py      teacher-forced per-head accuracy + accepted tokens per step
+
+The scripts run as ``python training/<stage>.py`` from the repository root, or
+as modules (``python -m training.<stage>``).
+"""

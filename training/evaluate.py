@@ -1,0 +1,275 @@
+"""Evaluate trained heads: teacher-forced accuracy and accepted tokens per decode step.
+
+    python training/evaluate.py --heads clover=runs/clover --heads medusa=runs/medusa \\
+        --cache data/cache/eval --prompts data/distill/eval.jsonl --target demo --output results/eval
+
+Two measurements per set of heads, on the eval split:
+
+1. **Teacher-forced accuracy** (the paper's Figure 7) on the hidden-state cache:
+   for every root position of every eval answer, head i gets the ground-truth
+   chain and must rank token t+i+2 first (top-1) or in its top 5 (top-5).
+   This is the training forward (:func:`training.train.run_batch`) without the
+   backward.
+2. **Decoding** with the torch backend (``TorchEngine(target, drafter)``) and
+   :class:`clover.decode.SpeculativeDecoder`, greedy, dynamic tree with
+   ``--tree-budget`` nodes (default 4), on ``--per-category`` prompts of each
+   category. Per category, pooled over all decode steps (target passes after
+   the prompt pass):
+
+   * ``accepted_per_step``: draft tokens accepted per step (the tree path the
+     target agreed with, root excluded), before any cut by EOS or max tokens;
+   * ``tokens_per_step`` = 1 + accepted_per_step (each step also yields the
+     target's own next token);
+   * ``extra_tokens_per_step`` = tokens_per_step - 1 = accepted_per_step, the
+     quantity the paper compares (0 for vanilla decoding).
+
+Writes ``eval.json`` and ``eval.md`` (Markdown tables) to ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from clover.config import TreeConfig  # noqa: E402
+from training.data import CATEGORIES, CATEGORY_TITLES  # noqa: E402
+from training.hidden_cache import HiddenCache  # noqa: E402
+from training.train import collate, head_weights, pick_device, run_batch  # noqa: E402
+
+
+def _batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    indices = sorted(indices, key=lambda i: (lengths[i], i))
+    out, current = [], []
+    for i in indices:
+        if current and (len(current) + 1) * lengths[i] > batch_tokens:
+            out.append(current)
+            current = []
+        current.append(i)
+    return out + ([current] if current else [])
+
+
+def teacher_forced(drafter, target, cache: HiddenCache, *, batch_tokens: int = 4096, row_chunk: int = 1024,
+                   device="cpu", topk=(1, 5), max_conversations: int | None = None) -> dict:
+    """Per-head top-k accuracy, overall and per category (counts and hits included)."""
+    drafter = drafter.float().to(device).eval()
+    weight = target.lm_head.weight.detach().float().to(device)
+    num_heads = drafter.config.num_heads
+    lengths = [c["length"] for c in cache.conversations]
+    by_cat: dict[str, list[int]] = {}
+    for i, conv in enumerate(cache.conversations[:max_conversations]):
+        by_cat.setdefault(conv.get("category", ""), []).append(i)
+
+    def empty():
+        return {"count": [0] * num_heads, "hits": {k: [0] * num_heads for k in topk}}
+
+    totals, per_cat = empty(), {}
+    for cat, indices in sorted(by_cat.items()):
+        acc = per_cat.setdefault(cat, empty())
+        for batch_indices in _batches(indices, lengths, batch_tokens):
+            batch = collate(cache, batch_indices, drafter.augment is not None, drafter.augment is None, device)
+            with torch.no_grad():
+                stats = run_batch(drafter, target, weight, batch, row_chunk=row_chunk,
+                                  weights=head_weights(num_heads, 1.0), train=False, topk=topk)
+            for target_acc in (acc, totals):
+                for i in range(num_heads):
+                    target_acc["count"][i] += stats["count"][i]
+                    for k in topk:
+                        target_acc["hits"][k][i] += stats["hits"][k][i]
+
+    def finish(acc):
+        out = {"count": acc["count"]}
+        for k in topk:
+            out[f"top{k}"] = [h / c if c else 0.0 for h, c in zip(acc["hits"][k], acc["count"])]
+        return out
+
+    return {"overall": finish(totals), "by_category": {c: finish(a) for c, a in per_cat.items()}}
+
+
+def select_prompts(records: list[dict], per_category: int, seed: int = 0) -> list[dict]:
+    """The first ``per_category`` records of each category in a fixed hash order."""
+    out = []
+    for cat in CATEGORIES:
+        recs = [r for r in records if r.get("category") == cat]
+        recs.sort(key=lambda r: hashlib.sha256(f"{seed}:{r['id']}".encode()).hexdigest())
+        out.extend(recs[:per_category])
+    return out
+
+
+def prompt_ids_of(record: dict, tokenizer) -> list[int]:
+    """The prompt token ids: distilled records carry them; prompt records are templated."""
+    if "prompt_ids" in record:
+        return list(record["prompt_ids"])
+    messages = record["messages"]
+    if messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+
+def decode_eval(target, drafter, tokenizer, records: list[dict], *, tree_budget: int = 4, max_new_tokens: int = 128,
+                batch_size: int = 8, max_seq: int = 1024, progress: bool = True) -> dict:
+    """Greedy speculative decoding with the torch backend; accepted tokens per step per category."""
+    from tqdm import tqdm
+
+    from clover.backends.torch import TorchEngine
+    from clover.decode import GenerationRequest, SpeculativeDecoder
+
+    drafter = drafter.float().cpu().eval()
+    engine = TorchEngine(target, drafter, max_seq_len=max_seq)
+    method = "medusa" if drafter.config.method == "medusa" else "clover"
+    decoder = SpeculativeDecoder(engine, method, tree=TreeConfig(budget=tree_budget), tokenizer=tokenizer,
+                                 max_batch_size=batch_size)
+    requests, cats = [], []
+    for record in records:
+        ids = prompt_ids_of(record, tokenizer)
+        if len(ids) + max_new_tokens + tree_budget + 2 > engine.spec.max_seq_len:
+            continue
+        requests.append(GenerationRequest(ids, max_new_tokens=max_new_tokens, request_id=record["id"]))
+        cats.append(record["category"])
+    bar = tqdm(total=len(requests), unit="prompt", disable=not progress, desc=f"decode {method}")
+    start = time.monotonic()
+    results = decoder.generate(requests, on_event=lambda e: bar.update(1) if e.finished else None)
+    bar.close()
+    seconds = time.monotonic() - start
+    pooled: dict[str, dict] = {}
+    for cat, result in zip(cats, results):
+        for key in (cat, "overall"):
+            acc = pooled.setdefault(key, {"sequences": 0, "steps": 0, "accepted": 0, "new_tokens": 0})
+            acc["sequences"] += 1
+            acc["steps"] += result.stats.num_steps
+            acc["accepted"] += sum(result.stats.accepted_per_step)
+            acc["new_tokens"] += len(result.token_ids)
+    for acc in pooled.values():
+        acc["extra_tokens_per_step"] = acc["accepted"] / acc["steps"] if acc["steps"] else 0.0
+        acc["accepted_per_step"] = acc["extra_tokens_per_step"]
+        acc["tokens_per_step"] = 1.0 + acc["extra_tokens_per_step"]
+    overall = pooled.pop("overall", {"sequences": 0, "steps": 0, "accepted": 0, "new_tokens": 0,
+                                     "extra_tokens_per_step": 0.0, "accepted_per_step": 0.0, "tokens_per_step": 1.0})
+    return {"overall": overall, "by_category": pooled, "seconds": round(seconds, 1)}
+
+
+def markdown(report: dict) -> str:
+    runs = report["runs"]
+    lines = []
+    tf_runs = {n: r["teacher_forced"] for n, r in runs.items() if r.get("teacher_forced")}
+    if tf_runs:
+        num_heads = max(len(t["overall"]["top1"]) for t in tf_runs.values())
+        lines += ["### Teacher-forced accuracy (eval split)", "",
+                  "| heads | " + " | ".join(f"head {i + 1} top-1 | head {i + 1} top-5" for i in range(num_heads)) + " |",
+                  "|---|" + "---|" * (2 * num_heads)]
+        for name, tf in tf_runs.items():
+            cells = []
+            for i in range(num_heads):
+                o = tf["overall"]
+                cells += [f"{o['top1'][i]:.3f}" if i < len(o["top1"]) else "", f"{o['top5'][i]:.3f}" if i < len(o["top5"]) else ""]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    dec_runs = {n: r["decode"] for n, r in runs.items() if r.get("decode")}
+    if dec_runs:
+        names = list(dec_runs)
+        baseline = "medusa" if "medusa" in names and len(names) > 1 else None
+        s = report["settings"]
+        header = ["category"] + [f"{n} extra tok/step" for n in names]
+        ratios = [n for n in names if baseline and n != baseline]
+        header += [f"{n} / {baseline}" for n in ratios]
+        lines += [f"### Extra tokens per step (accepted draft tokens per step), greedy, tree budget "
+                  f"{s['tree_budget']}, {s['max_new_tokens']} new tokens, {s['per_category']} prompts per category", "",
+                  "| " + " | ".join(header) + " |", "|---|" + "---|" * (len(header) - 1)]
+        cats = [c for c in CATEGORIES if any(c in d["by_category"] for d in dec_runs.values())]
+        for cat in cats + ["overall"]:
+            vals = {n: (d["overall"] if cat == "overall" else d["by_category"].get(cat, {})).get("extra_tokens_per_step")
+                    for n, d in dec_runs.items()}
+            row = [CATEGORY_TITLES.get(cat, cat) if cat != "overall" else "**overall**"]
+            row += [f"{vals[n]:.3f}" if vals[n] is not None else "" for n in names]
+            for n in ratios:
+                b = vals[baseline]
+                row.append(f"{vals[n] / b:.2f}x" if b and vals[n] is not None else "")
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+        lines.append("Tokens per step = 1 + extra tokens per step. " +
+                     ", ".join(f"{n}: {d['overall']['tokens_per_step']:.3f} tokens/step overall" for n, d in dec_runs.items()))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_heads(values: list[str]) -> dict[str, Path]:
+    out = {}
+    for value in values:
+        name, _, path = value.partition("=") if "=" in value else (Path(value).name, "", value)
+        out[name] = Path(path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", action="append", required=True, help="NAME=DIR of trained heads (repeatable)")
+    parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo'")
+    parser.add_argument("--cache", help="hidden-state cache of the eval split (teacher-forced accuracy)")
+    parser.add_argument("--prompts", help="eval prompts: distilled JSONL (prompt_ids) or prompt JSONL (decoding)")
+    parser.add_argument("--output", required=True, help="directory for eval.json and eval.md")
+    parser.add_argument("--per-category", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--tree-budget", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-seq", type=int, default=1024)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--max-conversations", type=int, default=None, help="teacher-forced: first N eval conversations")
+    parser.add_argument("--device", default="auto", help="teacher-forced pass device (decoding runs on CPU)")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if not args.cache and not args.prompts:
+        parser.error("pass --cache (teacher-forced accuracy) and/or --prompts (decoding)")
+
+    from clover.config import ConfigError
+    from clover.demo import resolve_target
+    from clover.drafters import load_drafter
+    from clover.target import load_target, load_tokenizer
+    from training.distill import read_jsonl
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_dir = resolve_target(args.target)
+    target = load_target(target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    cache = HiddenCache(args.cache) if args.cache else None
+    if cache is not None:
+        cache.check_target(target)
+    records = select_prompts(read_jsonl(args.prompts), args.per_category) if args.prompts else []
+    report = {"settings": {"target": str(target_dir), "cache": args.cache, "prompts": args.prompts,
+                           "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
+                           "tree_budget": args.tree_budget, "greedy": True, "backend": "torch"},
+              "runs": {}}
+    for name, directory in parse_heads(args.heads).items():
+        try:
+            drafter = load_drafter(directory, target)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        run = {"heads": str(directory), "method": drafter.config.method}
+        if cache is not None:
+            run["teacher_forced"] = teacher_forced(drafter, target, cache, batch_tokens=args.batch_tokens,
+                                                   device=pick_device(args.device),
+                                                   max_conversations=args.max_conversations)
+        if records:
+            run["decode"] = decode_eval(target, drafter, tokenizer, records, tree_budget=args.tree_budget,
+                                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                        max_seq=args.max_seq)
+        report["runs"][name] = run
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "eval.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

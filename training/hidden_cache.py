@@ -1,0 +1,377 @@
+"""Hidden-state cache: run the frozen target once, keep what the heads need.
+
+    python training/hidden_cache.py --distill data/distill/train.jsonl --target demo --output data/cache/train
+
+For every conversation (``prompt_ids + response_ids`` from ``distill.py``, cut to
+``--max-len`` tokens) one causal pass of the torch target stores, per token:
+
+* ``last_layer_input.npy`` ``[N, H]``: the input of the target's last layer. The
+  Augmenting Block is a trainable fork beside that layer, so training runs it
+  over the whole conversation (causal) from this;
+* ``last_hidden.npy`` ``[N, H]``: the last layer's output before the final norm
+  (``h0`` for Medusa and ``clover-no-augment``);
+* ``tokens.npy`` int32 ``[N]`` and ``assistant_mask.npy`` uint8 ``[N]`` (1 on the
+  response tokens: the tokens the target generated, stop token included).
+
+Arrays are memory-mapped ``.npy`` files (fp16 by default); conversations are
+stored back to back, sorted by length, and ``index.json`` lists each one's
+``offset``, ``length`` and ``num_prompt`` plus the target's fingerprint.
+
+Resumable: the layout is planned first (``plan.json``); ``progress.json`` counts
+the conversations whose rows are flushed, and a rerun continues from there.
+``index.json`` is written last and marks a complete cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CACHE_VERSION = 1
+INDEX_FILE, PLAN_FILE, PROGRESS_FILE = "index.json", "plan.json", "progress.json"
+HIDDEN_FIELDS = ("last_layer_input", "last_hidden")
+DTYPES = {"float16": np.float16, "float32": np.float32}
+
+
+def _write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
+
+
+def target_hidden_states(target, input_ids):
+    """(last_layer_input, last_hidden) ``[B, T, H]`` of one causal pass with no cache.
+
+    The same arithmetic as :meth:`clover.target.LlamaTarget.forward` (layer by
+    layer, the packed causal mask, empty caches) without the LM head, whose
+    ``[B, T, V]`` logits the cache never needs.
+    """
+    import torch
+
+    from clover.attention import causal_packed_mask
+
+    cfg = target.config
+    batch, length = input_ids.shape
+    device = input_ids.device
+    position_ids = torch.arange(length, device=device).expand(batch, -1)
+    cos, sin = target.rope(position_ids)
+    past = torch.zeros(batch, dtype=torch.int32, device=device)
+    mask = causal_packed_mask(batch, length, device)
+    dtype = target.embed_tokens.weight.dtype
+    empty = torch.zeros(batch, cfg.num_kv_heads, 0, cfg.head_dim, dtype=dtype, device=device)
+    x = target.embed_tokens(input_ids)
+    last_input = x
+    for layer in target.layers:
+        last_input = x
+        x, _, _ = layer(x, cos, sin, past, mask, empty, empty)
+    return last_input, x
+
+
+class OnnxFeatures:
+    """The same two hidden states from an onnxruntime *feature engine* (about 2x faster than torch on CPU).
+
+    A feature engine is an ordinary engine directory (``clover.export.engine_dir.build_engine``)
+    whose Augmenting Block is an exact identity (its attention output and MLP
+    down projections are zero), so its ``h0`` output is the input of the target's
+    last layer. :func:`make_feature_engine` builds one. ``last_hidden`` is then
+    the target's own last layer applied to it in torch (1/L of the model).
+    Opening one checks numerically that its ``h0`` is that input.
+    """
+
+    def __init__(self, engine_dir: str | Path, target, threads: int | None = None) -> None:
+        import torch
+
+        from clover.backends.onnxruntime import OnnxRuntimeEngine
+        from clover.config import ConfigError
+
+        self.engine = OnnxRuntimeEngine(engine_dir, threads=threads)
+        self.target = target
+        if self.engine.spec.num_kv_layers != target.config.num_layers + 1:
+            raise ConfigError(f"{engine_dir}: not a feature engine (no Augmenting Block); build one with "
+                              "--make-feature-engine")
+        probe = torch.arange(1, 17).remainder(target.config.vocab_size)[None]
+        expected, _ = target_hidden_states(target, probe)
+        got, _ = self.hidden_states(probe)
+        scale = float(expected.abs().max()) + 1.0
+        if float((got - expected).abs().max()) > 1e-3 * scale:
+            raise ConfigError(f"{engine_dir}: its h0 is not the input of the target's last layer (a Clover engine "
+                              "with trained heads, or another target?); build one with --make-feature-engine")
+
+    def hidden_states(self, input_ids):
+        import torch
+
+        from clover.attention import causal_packed_mask
+
+        spec = self.engine.spec
+        batch, length = input_ids.shape
+        empty = [torch.zeros(batch, spec.num_kv_heads, 0, spec.head_dim, dtype=spec.dtype)
+                 for _ in range(spec.num_kv_layers)]
+        result = self.engine.target(input_ids.cpu(), torch.arange(length).expand(batch, -1).contiguous(),
+                                    torch.zeros(batch, dtype=torch.int32), causal_packed_mask(batch, length),
+                                    empty, empty)
+        last_input = result.h0.float()
+        cfg, layer = self.target.config, self.target.layers[-1]
+        cos, sin = self.target.rope(torch.arange(length).expand(batch, -1))
+        kv = torch.zeros(batch, cfg.num_kv_heads, 0, cfg.head_dim, dtype=last_input.dtype)
+        with torch.inference_mode():
+            last_hidden, _, _ = layer(last_input, cos, sin, torch.zeros(batch, dtype=torch.int32),
+                                      causal_packed_mask(batch, length), kv, kv)
+        return last_input, last_hidden
+
+
+def make_feature_engine(output: str | Path, target_dir: str | Path, max_seq: int = 1024, overwrite: bool = False,
+                        progress=None) -> Path:
+    """Build an onnxruntime engine whose ``h0`` is the input of the target's last layer (see :class:`OnnxFeatures`)."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    from clover.config import DrafterConfig
+    from clover.drafters import Drafter, save_drafter
+    from clover.export.engine_dir import build_engine
+    from clover.target import load_target
+
+    target = load_target(target_dir)
+    cfg = target.config
+    heads = Drafter.from_target(DrafterConfig(method="clover", num_heads=1, hidden_size=cfg.hidden_size,
+                                              vocab_size=cfg.vocab_size, target_num_layers=cfg.num_layers), target)
+    with torch.no_grad():  # the Augmenting Block becomes x + 0 + 0
+        heads.augment.self_attn.o_proj.weight.zero_()
+        heads.augment.mlp.down_proj.weight.zero_()
+        for module in (heads.augment.self_attn.o_proj, heads.augment.mlp.down_proj):
+            if module.bias is not None:
+                module.bias.zero_()
+    tmp = Path(tempfile.mkdtemp(prefix="clover-feature-heads-"))
+    try:
+        save_drafter(heads, tmp)  # fp32: exact zeros either way
+        kwargs = {"progress": progress} if progress is not None else {}
+        return build_engine(output, str(target_dir), str(tmp), max_seq=max_seq, draft_top_k=1, num_heads=1,
+                            overwrite=overwrite, **kwargs)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def conversation_tokens(record: dict, max_len: int) -> tuple[list[int], int] | None:
+    """(token ids, number of prompt tokens), or None when no response token fits."""
+    prompt, response = list(record["prompt_ids"]), list(record["response_ids"])
+    ids = (prompt + response)[:max_len]
+    if len(ids) - len(prompt) < 2:  # a head needs at least a root token and one label
+        return None
+    return ids, len(prompt)
+
+
+def plan_layout(records: list[dict], max_len: int) -> list[dict]:
+    """Storage order (by length, then id) with offsets."""
+    items = []
+    for record in records:
+        conv = conversation_tokens(record, max_len)
+        if conv is not None:
+            items.append({"id": record["id"], "category": record.get("category", ""), "length": len(conv[0]),
+                          "num_prompt": conv[1]})
+    items.sort(key=lambda it: (it["length"], it["id"]))
+    offset = 0
+    for it in items:
+        it["offset"] = offset
+        offset += it["length"]
+    return items
+
+
+def _plan_digest(plan: list[dict], meta: dict) -> str:
+    return hashlib.sha256(json.dumps([plan, meta], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_cache(records: list[dict], target, output: str | Path, *, max_len: int = 1024, batch_tokens: int = 2048,
+                dtype: str = "float16", device: str = "cpu", progress: bool = True, source: str = "",
+                features: OnnxFeatures | None = None, stop_after_batches: int | None = None) -> Path:
+    """Build (or resume) the cache in ``output``; returns its path. See the module docstring.
+
+    ``features``: compute the hidden states with an onnxruntime feature engine
+    instead of the torch target. ``stop_after_batches`` stops early (tests use
+    it to simulate a kill).
+    """
+    import torch
+    from tqdm import tqdm
+
+    from clover.target import target_fingerprint
+
+    output = Path(output)
+    if (output / INDEX_FILE).exists():
+        return output
+    output.mkdir(parents=True, exist_ok=True)
+    cfg = target.config
+    meta = {"version": CACHE_VERSION, "hidden_size": cfg.hidden_size, "dtype": dtype, "max_len": max_len,
+            "target_fingerprint": target_fingerprint(target), "target_num_layers": cfg.num_layers,
+            "vocab_size": cfg.vocab_size}
+    plan = plan_layout(records, max_len)
+    if not plan:
+        raise ValueError("no conversation has a response token within --max-len; nothing to cache")
+    digest = _plan_digest(plan, meta)
+    total = plan[-1]["offset"] + plan[-1]["length"]
+    plan_path = output / PLAN_FILE
+    resume = plan_path.exists()
+    if resume:
+        saved = json.loads(plan_path.read_text())
+        if saved.get("digest") != digest:
+            raise ValueError(f"{output} holds a partial cache of other conversations or settings; "
+                             "delete it or choose another --output")
+    else:
+        _write_json_atomic(plan_path, {"digest": digest, "meta": meta, "conversations": plan})
+
+    mode = "r+" if resume else "w+"
+    hidden_dtype = DTYPES[dtype]
+    arrays = {name: np.lib.format.open_memmap(output / f"{name}.npy", mode=mode, dtype=hidden_dtype,
+                                              shape=(total, cfg.hidden_size)) for name in HIDDEN_FIELDS}
+    arrays["tokens"] = np.lib.format.open_memmap(output / "tokens.npy", mode=mode, dtype=np.int32, shape=(total,))
+    arrays["assistant_mask"] = np.lib.format.open_memmap(output / "assistant_mask.npy", mode=mode, dtype=np.uint8,
+                                                         shape=(total,))
+    done = json.loads((output / PROGRESS_FILE).read_text())["done"] if resume and (output / PROGRESS_FILE).exists() else 0
+    by_id = {r["id"]: r for r in records}
+
+    # batches of consecutive conversations (similar lengths) within the padded token budget
+    batches, start = [], done
+    while start < len(plan):
+        end = start + 1
+        while end < len(plan) and (end + 1 - start) * plan[end]["length"] <= batch_tokens:
+            end += 1
+        batches.append((start, end))
+        start = end
+    target = target.to(device)
+    bar = tqdm(total=total, initial=plan[done]["offset"] if done < len(plan) else total, unit="tok", unit_scale=True,
+               disable=not progress, dynamic_ncols=True, desc="hidden cache")
+    t0 = time.monotonic()
+    for n, (lo, hi) in enumerate(batches):
+        if stop_after_batches is not None and n >= stop_after_batches:
+            break
+        items = plan[lo:hi]
+        width = max(it["length"] for it in items)
+        ids = torch.zeros(len(items), width, dtype=torch.long)
+        for row, it in enumerate(items):
+            tokens, _ = conversation_tokens(by_id[it["id"]], max_len)
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+        if features is not None:
+            last_input, last_hidden = features.hidden_states(ids)
+        else:
+            with torch.inference_mode():
+                last_input, last_hidden = target_hidden_states(target, ids.to(device))
+        last_input, last_hidden = last_input.float().cpu().numpy(), last_hidden.float().cpu().numpy()
+        for row, it in enumerate(items):
+            sl = slice(it["offset"], it["offset"] + it["length"])
+            arrays["last_layer_input"][sl] = last_input[row, : it["length"]]
+            arrays["last_hidden"][sl] = last_hidden[row, : it["length"]]
+            arrays["tokens"][sl] = ids[row, : it["length"]].numpy()
+            mask = np.zeros(it["length"], dtype=np.uint8)
+            mask[it["num_prompt"]:] = 1
+            arrays["assistant_mask"][sl] = mask
+        for array in arrays.values():
+            array.flush()
+        _write_json_atomic(output / PROGRESS_FILE, {"done": hi})
+        bar.update(sum(it["length"] for it in items))
+    else:
+        index = dict(meta, num_tokens=total, num_conversations=len(plan),
+                     num_assistant_tokens=int(sum(it["length"] - it["num_prompt"] for it in plan)),
+                     source=source, backend="onnxruntime" if features is not None else "torch",
+                     seconds_last_run=round(time.monotonic() - t0, 1), conversations=plan)
+        _write_json_atomic(output / INDEX_FILE, index)
+    bar.close()
+    return output
+
+
+class HiddenCache:
+    """Read side of a finished cache: memory-mapped arrays plus the index."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        path = self.directory / INDEX_FILE
+        if not path.exists():
+            hint = " (incomplete: rerun hidden_cache.py to finish it)" if (self.directory / PLAN_FILE).exists() else ""
+            raise FileNotFoundError(f"{self.directory}: not a finished hidden-state cache{hint}")
+        self.index = json.loads(path.read_text())
+        if self.index.get("version") != CACHE_VERSION:
+            raise ValueError(f"{path}: cache version {self.index.get('version')} != {CACHE_VERSION}; rebuild it")
+        self.conversations: list[dict] = self.index["conversations"]
+        self.arrays = {name: np.load(self.directory / f"{name}.npy", mmap_mode="r")
+                       for name in (*HIDDEN_FIELDS, "tokens", "assistant_mask")}
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.index["hidden_size"]
+
+    def conversation(self, i: int) -> dict[str, np.ndarray]:
+        it = self.conversations[i]
+        sl = slice(it["offset"], it["offset"] + it["length"])
+        return {name: array[sl] for name, array in self.arrays.items()}
+
+    def check_target(self, target) -> None:
+        """Raise :class:`clover.config.ConfigError` when the cache was made with another target."""
+        from clover.config import ConfigError
+        from clover.target import target_fingerprint
+
+        actual = target_fingerprint(target)
+        if self.index["target_fingerprint"] != actual:
+            raise ConfigError(f"{self.directory} was built with target {self.index['target_fingerprint']}, "
+                              f"not this target ({actual}); rebuild the cache")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--distill", help="conversation JSONL from distill.py")
+    parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo'")
+    parser.add_argument("--output", help="cache directory")
+    parser.add_argument("--engine", help="onnxruntime feature engine (faster on CPU); default: the torch target")
+    parser.add_argument("--make-feature-engine", metavar="DIR",
+                        help="build a feature engine for --target into DIR and exit")
+    parser.add_argument("--max-len", type=int, default=1024, help="tokens kept per conversation")
+    parser.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per target pass")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from clover.demo import resolve_target
+    from clover.target import load_target
+    from training.distill import read_jsonl
+
+    from clover.config import ConfigError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_dir = resolve_target(args.target)
+    if args.make_feature_engine:
+        make_feature_engine(args.make_feature_engine, target_dir, max_seq=args.max_len, overwrite=True)
+        return 0
+    if not args.distill or not args.output:
+        parser.error("--distill and --output are required (unless --make-feature-engine)")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    target = load_target(target_dir)
+    try:
+        features = OnnxFeatures(args.engine, target, threads=args.threads) if args.engine else None
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    records = read_jsonl(args.distill)
+    out = build_cache(records, target, args.output, max_len=args.max_len, batch_tokens=args.batch_tokens,
+                      dtype=args.dtype, device=device, source=str(args.distill), features=features)
+    index = json.loads((out / INDEX_FILE).read_text())
+    print(f"{out}: {index['num_conversations']} conversations, {index['num_tokens']} tokens "
+          f"({index['num_assistant_tokens']} assistant)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,528 @@
+"""Train Clover / Medusa / ablation heads on a hidden-state cache (DESIGN §1).
+
+    python training/train.py --method clover --cache data/cache/train --output runs/clover \\
+        --max-tokens 600000
+
+The target is frozen; only the drafter learns. What one step computes, for each
+conversation in the batch (shapes: B conversations padded to T tokens):
+
+* ``h0 [B, T, H]``: the Augmenting Block run causally over the cached input of
+  the target's last layer (a fork beside it), or the cached last hidden state
+  when the method has no Augmenting Block (Medusa, ``clover-no-augment``).
+* Roots: every position t whose next token t+1 is an assistant token. At
+  inference t is the last accepted position, ``h0[t]`` the root hidden state and
+  token t+1 the target's own next token ``tok0``.
+* Head i (0-based) at root t predicts token t+i+2, teacher-forced: the chain is
+  ``drafter.step(h_i, token[t+i+1], i, W_lm)`` with ``h_0 = h0[t]``, exactly the
+  call the decode loop's tree builder makes (:func:`head_logits`).
+* Loss = sum over heads of the mean cross-entropy against that token, over the
+  roots whose label is an assistant token inside the conversation.
+
+Batches are buckets of conversations of similar length within ``--batch-tokens``
+padded tokens; the batch plan depends only on the cache, the seed, the epochs
+and ``--max-tokens`` (assistant tokens), never on the method, so Clover and
+Medusa trained with the same flags see the same data in the same order.
+
+AdamW (0.9, 0.999), lr 1e-3, short linear warmup then cosine decay, gradient
+clipping, 1 epoch by default. ``train_state.pt`` (weights, optimizer, RNG, step)
+is written atomically every ``--save-every`` steps; rerunning the same command
+resumes and ends with the same weights as an uninterrupted run. The final heads
+are saved with :func:`clover.drafters.save_drafter` (fp16) next to
+``training_summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from clover.attention import causal_packed_mask  # noqa: E402
+from clover.config import DRAFTER_METHODS, ConfigError, DrafterConfig  # noqa: E402
+from clover.drafters import Drafter, save_drafter  # noqa: E402
+from training.hidden_cache import HiddenCache  # noqa: E402
+
+STATE_FILE, RUN_CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "train_state.pt", "run_config.json", "train_log.jsonl", \
+    "training_summary.json"
+STATE_VERSION = 1
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    method: str
+    cache: str
+    output: str
+    target: str = "demo"
+    num_heads: int = 3
+    decoder_heads: int | None = None      # Attention Decoder heads; None: the target's attention heads
+    init_noise_std: float = 0.01
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    warmup_steps: int | None = None       # None: 3% of the steps, at least 1, at most 100
+    min_lr_ratio: float = 0.0
+    epochs: int = 1
+    max_tokens: int | None = None         # assistant-token budget; None: all epochs
+    batch_tokens: int = 4096              # padded tokens per batch
+    bucket_size: int = 256                # conversations sorted by length together
+    row_chunk: int = 1024                 # roots per LM-head chunk (memory bound)
+    grad_clip: float = 1.0
+    head_decay: float = 1.0               # loss weight of head i: head_decay ** i
+    seed: int = 0
+    save_every: int = 20
+    log_every: int = 10
+    device: str = "auto"
+    threads: int | None = None
+    progress: bool = True
+
+    # fields that may differ between a run and its resumption
+    RESUME_FREE = ("save_every", "log_every", "device", "threads", "progress", "output", "cache", "target")
+
+    def resume_key(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUME_FREE}
+
+
+class Interrupted(Exception):
+    """Raised by a step callback to stop a run (tests simulate a kill with it)."""
+
+
+# ---------------------------------------------------------------------------
+# batches
+
+
+@dataclasses.dataclass
+class Batch:
+    """Padded conversations. x_in / x_last ``[B, T, H]`` (None when not needed),
+    tokens int64 ``[B, T]``, assistant bool ``[B, T]``, lengths int64 ``[B]``."""
+
+    x_in: torch.Tensor | None
+    x_last: torch.Tensor | None
+    tokens: torch.Tensor
+    assistant: torch.Tensor
+    lengths: torch.Tensor
+    categories: list[str]
+
+
+def assistant_tokens(conv: dict) -> int:
+    return conv["length"] - conv["num_prompt"]
+
+
+def make_plan(conversations: list[dict], batch_tokens: int, epochs: int, seed: int, bucket_size: int = 256,
+              max_tokens: int | None = None) -> list[list[int]]:
+    """Batches of conversation indices: per epoch a seeded shuffle, buckets of ``bucket_size``
+    sorted by length, greedy packing under ``batch_tokens`` padded tokens, shuffled batch order.
+    Cut after the batch that reaches ``max_tokens`` assistant tokens."""
+    lengths = np.array([c["length"] for c in conversations])
+    plan: list[list[int]] = []
+    seen = 0
+    for epoch in range(epochs):
+        rng = np.random.default_rng([seed, epoch])
+        order = rng.permutation(len(conversations))
+        epoch_batches = []
+        for start in range(0, len(order), bucket_size):
+            bucket = sorted(order[start: start + bucket_size].tolist(), key=lambda i: (lengths[i], i))
+            current: list[int] = []
+            for i in bucket:
+                if current and (len(current) + 1) * max(lengths[i], lengths[current[-1]]) > batch_tokens:
+                    epoch_batches.append(current)
+                    current = []
+                current.append(i)
+            if current:
+                epoch_batches.append(current)
+        for k in rng.permutation(len(epoch_batches)):
+            plan.append(epoch_batches[k])
+            seen += sum(assistant_tokens(conversations[i]) for i in epoch_batches[k])
+            if max_tokens is not None and seen >= max_tokens:
+                return plan
+    return plan
+
+
+def collate(cache: HiddenCache, indices: list[int], need_input: bool, need_last: bool,
+            device: torch.device | str = "cpu") -> Batch:
+    convs = [cache.conversation(i) for i in indices]
+    lengths = torch.tensor([len(c["tokens"]) for c in convs])
+    batch, width, hidden = len(convs), int(lengths.max()), cache.hidden_size
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    assistant = torch.zeros(batch, width, dtype=torch.bool)
+    x_in = torch.zeros(batch, width, hidden) if need_input else None
+    x_last = torch.zeros(batch, width, hidden) if need_last else None
+    for row, c in enumerate(convs):
+        n = len(c["tokens"])
+        tokens[row, :n] = torch.from_numpy(c["tokens"].astype(np.int64))
+        assistant[row, :n] = torch.from_numpy(c["assistant_mask"].astype(bool))
+        if need_input:
+            x_in[row, :n] = torch.from_numpy(np.asarray(c["last_layer_input"], dtype=np.float32))
+        if need_last:
+            x_last[row, :n] = torch.from_numpy(np.asarray(c["last_hidden"], dtype=np.float32))
+    move = (lambda t: t.to(device) if t is not None else None)
+    return Batch(move(x_in), move(x_last), tokens.to(device), assistant.to(device), lengths.to(device),
+                 [cache.conversations[i].get("category", "") for i in indices])
+
+
+# ---------------------------------------------------------------------------
+# the training forward (shared with evaluate.py)
+
+
+def compute_h0(drafter: Drafter, target, batch: Batch) -> torch.Tensor:
+    """h0 ``[B, T, H]``: the Augmenting Block over the whole (causal) sequence, else the last hidden state."""
+    if drafter.augment is None:
+        return batch.x_last
+    x = batch.x_in
+    bsz, length, _ = x.shape
+    cfg = target.config
+    position_ids = torch.arange(length, device=x.device).expand(bsz, -1)
+    cos, sin = target.rope(position_ids)
+    empty = torch.zeros(bsz, cfg.num_kv_heads, 0, cfg.head_dim, dtype=x.dtype, device=x.device)
+    h0, _, _ = drafter.augment(x, cos.to(x.dtype), sin.to(x.dtype), torch.zeros(bsz, dtype=torch.int32, device=x.device),
+                               causal_packed_mask(bsz, length, x.device), empty, empty)
+    return h0
+
+
+@dataclasses.dataclass
+class Roots:
+    """Root positions and their teacher-forced chains (N roots, K heads).
+
+    b, t: int64 ``[N]``; tok_in, labels: int64 ``[N, K]`` (token t+i+1 fed to head i,
+    token t+i+2 it must predict); valid: bool ``[N, K]`` (nested: valid[:, i+1] implies valid[:, i])."""
+
+    b: torch.Tensor
+    t: torch.Tensor
+    tok_in: torch.Tensor
+    labels: torch.Tensor
+    valid: torch.Tensor
+
+
+def find_roots(batch: Batch, num_heads: int) -> Roots:
+    tokens, assistant, lengths = batch.tokens, batch.assistant, batch.lengths
+    bsz, width = tokens.shape
+    pos = torch.arange(width, device=tokens.device)
+    offsets = torch.arange(num_heads, device=tokens.device)
+    label_pos = pos[:, None] + 2 + offsets[None, :]                      # [T, K]
+    inside = label_pos[None] < lengths[:, None, None]                     # [B, T, K]
+    label_clamped = label_pos.clamp(max=width - 1)
+    label_assistant = assistant[:, label_clamped]                          # [B, T, K]
+    root_assistant = assistant[:, (pos + 1).clamp(max=width - 1)] & ((pos + 1)[None] < lengths[:, None])
+    valid = inside & label_assistant & root_assistant[..., None]
+    valid = valid.long().cumprod(dim=-1).bool()                                  # nested by construction
+    b, t = valid[..., 0].nonzero(as_tuple=True)
+    in_pos = (t[:, None] + 1 + offsets[None]).clamp(max=width - 1)
+    lab_pos = (t[:, None] + 2 + offsets[None]).clamp(max=width - 1)
+    return Roots(b, t, tokens[b[:, None], in_pos], tokens[b[:, None], lab_pos], valid[b, t])
+
+
+def head_logits(drafter: Drafter, lm_head_weight: torch.Tensor, h_rows: torch.Tensor, tok_in: torch.Tensor,
+                valid: torch.Tensor):
+    """Teacher-forced regressive chain, the very ``drafter.step`` calls of inference.
+
+    Args:
+        h_rows ``[N, H]``: h0 at the roots; tok_in, valid ``[N, K]``.
+    Yields:
+        (head i, row indices ``[n_i]`` into N, logits ``[n_i, V]``) for the rows whose head-i label is valid.
+    """
+    rows = torch.arange(h_rows.shape[0], device=h_rows.device)
+    hidden = h_rows
+    for i in range(valid.shape[1]):
+        keep = valid[rows, i]
+        rows, hidden = rows[keep], hidden[keep]
+        if rows.numel() == 0:
+            return
+        hidden, logits = drafter.step(hidden, tok_in[rows, i], i, lm_head_weight)
+        yield i, rows, logits
+
+
+def head_weights(num_heads: int, decay: float) -> list[float]:
+    return [decay ** i for i in range(num_heads)]
+
+
+def run_batch(drafter: Drafter, target, lm_head_weight: torch.Tensor, batch: Batch, *, row_chunk: int,
+              weights: list[float], train: bool, topk: tuple[int, ...] = (1,)) -> dict:
+    """Forward (and backward when ``train``) over one batch, LM head in chunks of roots.
+
+    The loss is ``sum_i w_i * mean CE_i``. Chunks backpropagate into a detached
+    copy of the roots' h0, whose gradient then flows through the Augmenting
+    Block once, so memory is bounded by ``row_chunk x V`` per head.
+    Returns loss, and per head the label count and the top-k hits.
+    """
+    num_heads = drafter.config.num_heads
+    roots = find_roots(batch, num_heads)
+    counts = roots.valid.sum(0)
+    stats = {"loss": 0.0, "count": counts.tolist(), "hits": {k: [0] * num_heads for k in topk},
+             "categories": None}
+    if roots.b.numel() == 0:
+        return stats
+    with torch.set_grad_enabled(train):
+        h0 = compute_h0(drafter, target, batch)
+        h_rows = h0[roots.b, roots.t]
+    leaf = h_rows.detach().requires_grad_(True) if (train and h_rows.requires_grad) else h_rows
+    total = 0.0
+    for start in range(0, h_rows.shape[0], row_chunk):
+        sl = slice(start, start + row_chunk)
+        with torch.set_grad_enabled(train):
+            loss = leaf.new_zeros(())
+            for i, rows, logits in head_logits(drafter, lm_head_weight, leaf[sl], roots.tok_in[sl], roots.valid[sl]):
+                labels = roots.labels[sl][rows, i]
+                logits = logits.float()
+                loss = loss + weights[i] * nn.functional.cross_entropy(logits, labels, reduction="sum") / counts[i]
+                with torch.no_grad():
+                    top = logits.topk(max(topk), dim=-1).indices
+                    for k in topk:
+                        stats["hits"][k][i] += int((top[:, :k] == labels[:, None]).any(-1).sum())
+            if train and loss.requires_grad:
+                loss.backward()
+        total += float(loss.detach())
+    if train and leaf is not h_rows and leaf.grad is not None:
+        h_rows.backward(leaf.grad)
+    stats["loss"] = total
+    return stats
+
+
+# ---------------------------------------------------------------------------
+# the loop
+
+
+def lr_at(step: int, total: int, base: float, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_drafter(cfg: TrainConfig, target) -> Drafter:
+    tc = target.config
+    decoder_heads = cfg.decoder_heads or tc.num_heads
+    if tc.hidden_size % decoder_heads:
+        decoder_heads = 1
+    config = DrafterConfig(method=cfg.method, num_heads=cfg.num_heads, hidden_size=tc.hidden_size,
+                           vocab_size=tc.vocab_size, target_num_layers=tc.num_layers,
+                           num_attention_heads=decoder_heads, init_noise_std=cfg.init_noise_std,
+                           target_architecture=tc.architecture)
+    return Drafter.from_target(config, target, seed=cfg.seed).float()
+
+
+def _save_atomic(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"GPU {torch.cuda.get_device_name(device)}"
+    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
+    """Run (or resume) training; returns the summary dict. ``on_step(step)`` runs after each step."""
+    if cfg.method not in DRAFTER_METHODS:
+        raise ConfigError(f"unknown method {cfg.method!r}; choose one of {', '.join(DRAFTER_METHODS)}")
+    from tqdm import tqdm
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if target is None:
+        from clover.demo import resolve_target
+        from clover.target import load_target
+
+        target = load_target(resolve_target(cfg.target))
+    cache = HiddenCache(cfg.cache)
+    cache.check_target(target)
+    device = pick_device(cfg.device)
+
+    run_config_path = out / RUN_CONFIG_FILE
+    if run_config_path.exists():
+        previous = json.loads(run_config_path.read_text())
+        if previous.get("resume_key") != json.loads(json.dumps(cfg.resume_key())):
+            changed = sorted(k for k in cfg.resume_key() if previous.get("resume_key", {}).get(k) != cfg.resume_key()[k])
+            raise ConfigError(f"{out} holds a run with other settings ({', '.join(changed)}); "
+                              "use another --output or delete it")
+    summary_path = out / SUMMARY_FILE
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        if summary.get("complete"):
+            return summary
+    run_config_path.write_text(json.dumps({"resume_key": cfg.resume_key(), "config": dataclasses.asdict(cfg)},
+                                          indent=2) + "\n")
+
+    plan = make_plan(cache.conversations, cfg.batch_tokens, cfg.epochs, cfg.seed, cfg.bucket_size, cfg.max_tokens)
+    total_steps = len(plan)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(100, round(0.03 * total_steps)))
+    budget_tokens = sum(assistant_tokens(cache.conversations[i]) for batch in plan for i in batch)
+
+    drafter = build_drafter(cfg, target).to(device)
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    lm_head_weight = target.lm_head.weight.detach().float().to(device)
+    weights = head_weights(cfg.num_heads, cfg.head_decay)
+    need_input, need_last = drafter.augment is not None, drafter.augment is None
+
+    step, tokens_seen, elapsed = 0, 0, 0.0
+    state_path = out / STATE_FILE
+    if state_path.exists():
+        state = torch.load(state_path, map_location="cpu", weights_only=False)  # RNG state must stay on CPU
+        if state.get("version") != STATE_VERSION or state.get("resume_key") != cfg.resume_key():
+            raise ConfigError(f"{state_path} belongs to another run; use another --output or delete it")
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
+    # drop log lines past the checkpoint (they are recomputed identically)
+    log_path = out / LOG_FILE
+    if log_path.exists():
+        kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        log_path.write_text("".join(line + "\n" for line in kept))
+
+    def save_state() -> None:
+        _save_atomic({"version": STATE_VERSION, "resume_key": cfg.resume_key(), "step": step, "tokens": tokens_seen,
+                      "elapsed": elapsed + (time.monotonic() - t0), "drafter": drafter.state_dict(),
+                      "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, state_path)
+
+    window: list[dict] = []
+    bar = tqdm(total=total_steps, initial=step, unit="step", disable=not cfg.progress, dynamic_ncols=True,
+               desc=cfg.method)
+    t0 = time.monotonic()
+    with open(log_path, "a") as log:
+        while step < total_steps:
+            batch = collate(cache, plan[step], need_input, need_last, device)
+            lr = lr_at(step, total_steps, cfg.lr, warmup, cfg.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            stats = run_batch(drafter, target, lm_head_weight, batch, row_chunk=cfg.row_chunk, weights=weights,
+                              train=True)
+            grad_norm = float(nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if cfg.grad_clip else float("nan")
+            optimizer.step()
+            step += 1
+            tokens_seen += int(sum(assistant_tokens(cache.conversations[i]) for i in plan[step - 1]))
+            top1 = [h / c if c else 0.0 for h, c in zip(stats["hits"][1], stats["count"])]
+            window = (window + [{"loss": stats["loss"], "top1": top1}])[-20:]
+            mean_top1 = [sum(w["top1"][i] for w in window) / len(window) for i in range(cfg.num_heads)]
+            bar.update(1)
+            bar.set_postfix(loss=f"{sum(w['loss'] for w in window) / len(window):.3f}",
+                            top1="/".join(f"{a:.2f}" for a in mean_top1), tok=tokens_seen)
+            if step % cfg.log_every == 0 or step == total_steps:
+                log.write(json.dumps({"step": step, "tokens": tokens_seen, "lr": lr, "loss": stats["loss"],
+                                      "top1": top1, "grad_norm": grad_norm,
+                                      "elapsed_s": round(elapsed + time.monotonic() - t0, 2)}) + "\n")
+                log.flush()
+            if step % cfg.save_every == 0 or step == total_steps:
+                save_state()
+            if on_step is not None:
+                on_step(step)
+    bar.close()
+    elapsed += time.monotonic() - t0
+
+    save_drafter(drafter.cpu().eval(), out, dtype=torch.float16)
+    recent = [json.loads(line) for line in log_path.read_text().splitlines() if line][-10:]
+    summary = {
+        "complete": True,
+        "method": cfg.method,
+        "num_heads": cfg.num_heads,
+        "steps": total_steps,
+        "assistant_tokens": tokens_seen,
+        "planned_assistant_tokens": budget_tokens,
+        "max_tokens": cfg.max_tokens,
+        "epochs": cfg.epochs,
+        "wall_time_s": round(elapsed, 1),
+        "hardware": _hardware(device),
+        "torch": torch.__version__,
+        "final_loss": sum(r["loss"] for r in recent) / len(recent) if recent else None,
+        "final_top1": [sum(r["top1"][i] for r in recent) / len(recent) for i in range(cfg.num_heads)] if recent else None,
+        "cache": {"path": str(cfg.cache), "conversations": len(cache), "tokens": cache.index["num_tokens"],
+                  "source": cache.index.get("source", "")},
+        "target_fingerprint": cache.index["target_fingerprint"],
+        "config": dataclasses.asdict(cfg),
+        "command": "python training/train.py " + " ".join(sys.argv[1:]) if sys.argv and "train.py" in sys.argv[0] else None,
+    }
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def run_digest(directory: str | Path) -> str:
+    """sha256 of a saved drafter's tensors (names, dtypes, shapes, bytes), for comparing runs.
+
+    Not of the file: safetensors writes its metadata in a random order."""
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_file(str(Path(directory) / "model.safetensors")).items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[pre])
+    parser.add_argument("--method", choices=DRAFTER_METHODS, required=True)
+    parser.add_argument("--cache", required=True, help="hidden-state cache directory (train split)")
+    parser.add_argument("--output", required=True, help="run directory: checkpoints, then the final heads")
+    parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo' (only its LM head and shape are used)")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name in ("num_heads", "decoder_heads", "save_every", "log_every", "epochs", "max_tokens", "batch_tokens",
+                 "bucket_size", "row_chunk", "seed", "warmup_steps", "threads"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=fields[name].default)
+    for name in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip", "head_decay", "init_noise_std"):
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=fields[name].default)
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (GPU when present)")
+    parser.add_argument("--no-progress", action="store_true")
+    if known.config:
+        defaults = json.loads(Path(known.config).read_text())
+        unknown = sorted(set(defaults) - set(fields))
+        if unknown:
+            parser.error(f"{known.config}: unknown keys {unknown}")
+        parser.set_defaults(**defaults)
+        for action in parser._actions:  # a config file may supply required options
+            if action.dest in defaults:
+                action.required = False
+    args = parser.parse_args(argv)
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    values["progress"] = not args.no_progress
+    return TrainConfig(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    try:
+        summary = train(cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; rerun the same command to resume from the last checkpoint in {cfg.output}",
+              file=sys.stderr)
+        return 130
+    print(json.dumps({k: summary[k] for k in ("method", "steps", "assistant_tokens", "wall_time_s", "final_loss",
+                                              "final_top1")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
