@@ -38,15 +38,21 @@ def read_bandwidth_gbs(size_mb: int = 1024, repeats: int = 5) -> float:
 
 
 def decode_tokens_per_second(engine, tokenizer, new_tokens: int) -> tuple[float, float]:
+    """(tokens/s including the prompt pass, steady-state seconds per decode step after it)."""
     from clover.cli import encode_prompt
     from clover.decode import GenerationRequest, SpeculativeDecoder
 
     ids = encode_prompt(tokenizer, PROMPT)
     decoder = SpeculativeDecoder(engine, "vanilla", tokenizer=tokenizer)
+    decoder.submit(GenerationRequest(ids, max_new_tokens=new_tokens, stop_token_ids=()))
     start = time.perf_counter()
-    result = decoder.generate([GenerationRequest(ids, max_new_tokens=new_tokens, stop_token_ids=())])[0]
-    seconds = time.perf_counter() - start
-    return len(result.token_ids) / seconds, seconds / max(1, result.stats.num_steps)
+    decoder.step()  # the prompt pass (and the first decode step)
+    after_prompt = time.perf_counter()
+    while decoder.has_work:
+        decoder.step()
+    end = time.perf_counter()
+    steps = new_tokens - 2  # vanilla: one token per step after the prompt pass and the first step
+    return new_tokens / (end - start), (end - after_prompt) / steps
 
 
 def hf_tokens_per_second(model, tokenizer, new_tokens: int) -> float:
@@ -128,7 +134,11 @@ def main() -> None:
     bound_s = weight_bytes / (summary["bandwidth_gbs"]["median"] * 1e9)
     summary["weight_bytes"] = weight_bytes
     summary["bound_step_ms"] = 1000 * bound_s
-    summary["vanilla_step_over_bound"] = summary["onnxruntime_step_T1_ms"]["median"] / (1000 * bound_s)
+    # the physical bound uses the best bandwidth seen; the step is the steady state inside the decode loop
+    bound_s = weight_bytes / (summary["bandwidth_gbs"]["max"] * 1e9)
+    summary["bound_step_ms"] = 1000 * bound_s
+    summary["vanilla_step_over_bound"] = summary["onnxruntime_vanilla_step_s"]["median"] / bound_s
+    summary["vanilla_step_over_bound_best"] = summary["onnxruntime_vanilla_step_s"]["min"] / bound_s
     summary["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
                           "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -146,7 +156,9 @@ def main() -> None:
     for tokens in token_counts:
         print(f"| {tokens} | {fmt(f'onnxruntime_step_T{tokens}_ms')} | {fmt(f'torch_step_T{tokens}_ms')} |")
     print(f"\nread bandwidth {fmt('bandwidth_gbs')} GB/s; weights {weight_bytes / 1e6:.0f} MB; "
-          f"bound {1000 * bound_s:.1f} ms/step; onnxruntime T=1 step / bound = {summary['vanilla_step_over_bound']:.2f}")
+          f"bound {1000 * bound_s:.1f} ms/step (best bandwidth)")
+    print(f"onnxruntime vanilla step in the decode loop {fmt('onnxruntime_vanilla_step_s', 1000)} ms = "
+          f"{summary['vanilla_step_over_bound']:.2f}x the bound (best run {summary['vanilla_step_over_bound_best']:.2f}x)")
     print(f"written to {args.output}")
 
 

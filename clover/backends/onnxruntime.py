@@ -21,6 +21,9 @@ def _session(path: Path, threads: int | None):
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # No spin-waiting between ops: the decode loop's Python work runs between engine calls and a
+    # spinning worker thread takes its core (measured on 2 cores: 31 vs 36 ms per vanilla step).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
         options.intra_op_num_threads = threads
     try:
