@@ -121,10 +121,11 @@ class _Sequence:
                 self.finish_reason = "length"
                 break
         if self.request.stop_strings and self.finish_reason != "stop":
-            cut = self._stop_string_cut(len(self.generated) - len(kept))
-            if cut is not None:
-                kept = kept[: max(0, cut - (len(self.generated) - len(kept)))]
+            before = len(self.generated) - len(kept)
+            cut = self._stop_string_cut(before)
+            if cut is not None:  # cut >= before: earlier text had no stop string
                 del self.generated[cut:]
+                kept = kept[: cut - before]
                 self.finish_reason = "stop"
         return kept
 
