@@ -52,6 +52,9 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=_positive, default=256, help="new tokens per prompt at most")
     p.add_argument("--tree-budget", type=int, default=4, help="draft tree nodes per step, not counting the root")
     p.add_argument("--tree-depth", type=int, default=None, help="draft depth (default: every head)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="choose the tree budget each step (0 to --tree-budget) from the engine's cost model "
+                        "(an --engine built with --calibrate)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (tree speculative sampling)")
     p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
@@ -122,7 +125,7 @@ def cmd_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    tree = TreeConfig(budget=args.tree_budget, depth=args.tree_depth)
+    tree = TreeConfig(budget=args.tree_budget, depth=args.tree_depth, adaptive=args.adaptive)
     if args.engine is not None:
         from clover.backends import load_engine
         from clover.target import load_tokenizer

@@ -163,6 +163,9 @@ class TreeConfig(_JsonMixin):
     fraction of the level's best.
     ``static_choices``: a fixed Medusa-style tree, as paths of candidate ranks
     (e.g. ``[[0], [1], [0, 0]]``); when given, ``budget`` and pruning are ignored.
+    ``adaptive``: choose the budget each step (0 to ``budget``) from the engine's
+    cost model and the measured acceptance (:mod:`clover.adaptive`); ``budget``
+    is then the largest tree allowed.
     """
 
     budget: int = 4
@@ -170,10 +173,13 @@ class TreeConfig(_JsonMixin):
     top_k: int = 8
     prune_ratio: float = 0.02
     static_choices: list[list[int]] | None = None
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.budget < 0:
             raise ConfigError("tree budget must be >= 0")
+        if self.adaptive and self.static_choices is not None:
+            raise ConfigError("adaptive speculation needs a dynamic tree, not static_choices")
         if self.top_k < 1:
             raise ConfigError("top_k must be >= 1")
         if self.static_choices is not None:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from clover.adaptive import AdaptiveBudget, CostModel
 from clover.attention import causal_packed_mask
 from clover.config import ConfigError, SamplingConfig, TreeConfig
 from clover.engine import Engine
@@ -159,10 +160,12 @@ class SpeculativeDecoder:
         tree: tree settings (default: dynamic tree, budget 4).
         tokenizer: a transformers tokenizer, for EOS, stop strings and text.
         max_batch_size: live sequences at most; later requests wait.
+        cost_model: step times for adaptive trees (``tree.adaptive``); default
+            the engine's ``cost_model`` (calibrated by ``build_engine --calibrate``).
     """
 
     def __init__(self, engine: Engine, method: str = "clover", tree: TreeConfig | None = None,
-                 tokenizer=None, max_batch_size: int = 64) -> None:
+                 tokenizer=None, max_batch_size: int = 64, cost_model: CostModel | None = None) -> None:
         spec = engine.spec
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -186,6 +189,15 @@ class SpeculativeDecoder:
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # index == cache row
         self._cancelled: set[int] = set()
+        self.adaptive: AdaptiveBudget | None = None
+        if self.tree.adaptive and method != "vanilla":
+            if cost_model is None:
+                cost_model = getattr(engine, "cost_model", None)
+            if cost_model is None:
+                raise ConfigError("adaptive trees need a cost model: build the engine with --calibrate, "
+                                  "or pass cost_model (clover.adaptive.calibrate)")
+            depth = min(self.tree.depth or spec.num_draft_heads, spec.num_draft_heads)
+            self.adaptive = AdaptiveBudget(cost_model, depth, min(self.tree.top_k, spec.draft_top_k), self.tree.budget)
         max_tree = len(self.tree.static_choices) if self.tree.static_choices is not None else self.tree.budget
         self._max_step_tokens = 1 + (max_tree if method != "vanilla" else 0)
 
@@ -314,11 +326,14 @@ class SpeculativeDecoder:
             return events
 
         roots = [s.root_token for s in seqs]
-        if self.method == "vanilla":
+        tree = self.tree
+        if self.adaptive is not None:  # this step's budget, from the live batch size (0: vanilla step)
+            tree = dataclasses.replace(tree, budget=self.adaptive.choose(len(seqs)))
+        if self.method == "vanilla" or (tree.budget == 0 and tree.static_choices is None):
             trees = [TokenTree.root(t) for t in roots]
         else:
             trees = build_trees(self.engine.draft_step, torch.stack([s.root_hidden for s in seqs]), roots,
-                                self.tree, self.engine.spec.num_draft_heads)
+                                tree, self.engine.spec.num_draft_heads)
         batch = batch_trees(trees)
         past = self.cache.lengths.clone()
         k_cache, v_cache = self.cache.views()
@@ -328,6 +343,8 @@ class SpeculativeDecoder:
         for i, seq in enumerate(seqs):
             if not seq.request.sampling.greedy:
                 accepted[i] = sampling_accept(result.logits[i], trees[i], seq.request.sampling, seq.generator)
+        if self.adaptive is not None:
+            self.adaptive.observe(tree.budget, [len(a.path) - 1 for a in accepted])
 
         width = max(len(a.path) for a in accepted)
         source = torch.tensor([a.path + [0] * (width - len(a.path)) for a in accepted])

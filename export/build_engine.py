@@ -41,6 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-top-k", type=int, default=8, help="candidates the draft step returns per node (default: 8)")
     p.add_argument("--num-heads", type=int, default=3, help="heads of the untrained default drafter (default: 3)")
     p.add_argument("--cache-dir", help="where the demo checkpoint is converted to")
+    p.add_argument("--calibrate", action="store_true",
+                   help="time the built engine against tokens in flight and store the cost model in engine.json "
+                        "(adaptive tree budgets use it; seconds to a minute)")
+    p.add_argument("--calibrate-max-tokens", type=int, default=None,
+                   help="largest tokens in flight to time (default: max-batch * (1 + max-tree), at most 256)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
     return p.parse_args(argv)
 
@@ -61,7 +66,8 @@ def main(argv=None) -> int:
         build_engine(args.output, args.target, args.drafter, backend=args.backend, dtype=args.dtype,
                      attention=args.attention, max_batch=args.max_batch, max_tree=args.max_tree, max_seq=args.max_seq,
                      draft_top_k=args.draft_top_k, num_heads=args.num_heads, cache_dir=args.cache_dir,
-                     overwrite=args.overwrite, on_layer=on_layer)
+                     overwrite=args.overwrite, calibrate=args.calibrate,
+                     calibrate_max_tokens=args.calibrate_max_tokens, on_layer=on_layer)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"build_engine: error: {exc}", file=sys.stderr)
         return 2

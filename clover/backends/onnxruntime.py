@@ -13,7 +13,7 @@ import torch
 
 from clover.config import ConfigError
 from clover.engine import DraftResult, TargetResult, cache_input_names, present_output_names
-from clover.export.engine_dir import engine_spec, read_engine_meta
+from clover.export.engine_dir import engine_cost_model, engine_spec, read_engine_meta
 
 
 def _session(path: Path, threads: int | None):
@@ -49,6 +49,7 @@ class OnnxRuntimeEngine:
         self.target_session = _session(self.engine_dir / files["target"], threads)
         self.draft_session = _session(self.engine_dir / files["draft_step"], threads) if files.get("draft_step") else None
         self.spec = engine_spec(meta)
+        self.cost_model = engine_cost_model(meta)  # None unless built with --calibrate
         num_kv = self.spec.num_kv_layers
         self._cache_names = cache_input_names(num_kv)
         self._present_names = present_output_names(num_kv)

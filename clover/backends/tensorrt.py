@@ -15,7 +15,7 @@ import torch
 
 from clover.config import ConfigError
 from clover.engine import DraftResult, TargetResult, cache_input_names, present_output_names
-from clover.export.engine_dir import engine_spec, read_engine_meta
+from clover.export.engine_dir import engine_cost_model, engine_spec, read_engine_meta
 
 TENSORRT_MISSING = ("TensorRT is not installed (`import tensorrt` failed); the tensorrt backend needs an NVIDIA GPU "
                     "host with TensorRT 10 (pip install tensorrt) and the plugin built from trt_plugins/")
@@ -88,6 +88,7 @@ class TensorRTEngine:
         self.draft_plan = _Plan(trt, runtime, self.engine_dir / files["draft_step_plan"]) if files.get("draft_step_plan") else None
         self.stream = torch.cuda.Stream()
         self.spec = engine_spec(meta, device="cuda")
+        self.cost_model = engine_cost_model(meta)  # None unless built with --calibrate
         num_kv = self.spec.num_kv_layers
         self._cache_names = cache_input_names(num_kv)
         self._present_names = present_output_names(num_kv)

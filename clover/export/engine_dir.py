@@ -36,6 +36,7 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
                  backend: str = "onnxruntime", dtype: str = "fp32", attention: str | None = None,
                  max_batch: int = 32, max_tree: int = 32, max_seq: int = 2048, draft_top_k: int = 8,
                  num_heads: int = 3, cache_dir: str | None = None, overwrite: bool = False,
+                 calibrate: bool = False, calibrate_max_tokens: int | None = None,
                  progress: Callable[[str], None] = _default_progress,
                  on_layer: Callable[[int, int], None] | None = None) -> Path:
     """Compile target (+ Augmenting Block) and draft step into ``output``.
@@ -47,6 +48,10 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
         backend: ``onnxruntime`` or ``tensorrt`` (also writes TensorRT plans).
         attention: ``standard`` (ONNX ops) or ``plugin`` (``clover.TreeAttention``
             nodes); default standard for onnxruntime, plugin for tensorrt.
+        calibrate: time the built engine's ``target`` and ``draft_step`` for several
+            token counts (up to ``calibrate_max_tokens``, default ``max_batch * (1 + max_tree)``
+            capped at 256) and store the cost model in ``engine.json`` under
+            ``"cost_model"`` (adaptive trees use it; :mod:`clover.adaptive`).
         progress: receives a message at the start of each build step.
         on_layer: ``(done, total)`` after each exported target layer (a progress bar).
     """
@@ -131,6 +136,10 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
             "source": {"target": str(target_dir), "drafter": str(drafter) if drafter not in (None, "none") else drafter},
         }
         (tmp / ENGINE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if calibrate:
+            progress("calibrating the cost model (step time against tokens in flight)")
+            meta["cost_model"] = calibrate_engine_dir(tmp, calibrate_max_tokens or min(256, max_batch * (1 + max_tree)))
+            (tmp / ENGINE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         progress("finalising")
         if output.exists():
             shutil.rmtree(output)
@@ -140,6 +149,33 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
         raise
     progress(f"engine written to {output}")
     return output
+
+
+def calibrate_engine_dir(engine_dir: str | Path, max_tokens: int = 256, repeats: int = 5) -> dict:
+    """Measure the cost model of the engine in ``engine_dir`` (its own backend); returns it as a dict."""
+    import platform
+
+    from clover.adaptive import calibrate
+
+    meta = json.loads((Path(engine_dir) / ENGINE_FILE).read_text())
+    if meta.get("backend") == "tensorrt":
+        from clover.backends.tensorrt import TensorRTEngine
+
+        engine = TensorRTEngine(engine_dir)
+    else:
+        from clover.backends.onnxruntime import OnnxRuntimeEngine
+
+        engine = OnnxRuntimeEngine(engine_dir)
+    source = f"{meta.get('backend')} {meta.get('dtype')} on {platform.machine()} {platform.processor() or ''}".strip()
+    return calibrate(engine, max_tokens=max_tokens, repeats=repeats, source=source).to_dict()
+
+
+def engine_cost_model(meta: dict):
+    """The :class:`~clover.adaptive.CostModel` stored in an engine's metadata, or None."""
+    from clover.adaptive import CostModel
+
+    data = meta.get("cost_model")
+    return CostModel.from_dict(data) if data else None
 
 
 def read_engine_meta(engine_dir: str | Path) -> dict:

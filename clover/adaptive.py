@@ -1,0 +1,328 @@
+"""Adaptive speculation: pick the tree budget per decode step from a measured cost model.
+
+Speculation pays while verifying a tree costs about as much as one vanilla
+step (the memory-bound part of the roofline, DESIGN §6). With many live
+sequences the target pass becomes compute-bound and a tree of ``b`` draft
+nodes per sequence costs up to ``1 + b`` times a vanilla step, so the best
+budget shrinks with the batch, down to 0 (vanilla: no draft steps at all).
+
+* :class:`CostModel`: measured seconds of one ``target`` pass against tokens
+  in flight (batch × tree size), and of one ``draft_step`` against frontier
+  nodes; piecewise-linear interpolation; JSON round-trip. :func:`calibrate`
+  measures one on an engine (``build_engine(..., calibrate=True)`` stores it in
+  ``engine.json`` under ``"cost_model"``).
+* :class:`AcceptanceModel`: expected tokens per step against budget, from a
+  conservative prior, updated online from the decoder's own acceptance (an
+  exponential moving average per budget).
+* :func:`choose_budget`: the pure chooser. It maximises expected tokens/s::
+
+      B * E[tokens/step | b] / (target_time(B * (1 + b)) + draft_time(B, b))
+
+  Budget 0 is vanilla (E = 1, no draft time), so it is always a candidate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from clover.config import ConfigError
+
+DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def _interpolate(points: Sequence[Sequence[float]], x: float) -> float:
+    """Piecewise-linear through ``points`` (sorted by x); below the first point: proportional to x
+    (never below 0); beyond the last: the last segment's slope (at least flat).
+    The y values are made non-decreasing first (a measurement never says more work is cheaper)."""
+    if not points:
+        return 0.0
+    xs = [float(p[0]) for p in points]
+    ys, top = [], 0.0
+    for p in points:
+        top = max(top, float(p[1]))
+        ys.append(top)
+    if x <= xs[0]:
+        return ys[0] * max(x, 0.0) / xs[0] if xs[0] > 0 else ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            frac = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[i - 1] + frac * (ys[i] - ys[i - 1])
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+    return ys[-1] + slope * (x - xs[-1])
+
+
+@dataclasses.dataclass
+class CostModel:
+    """Measured step times of one engine on one machine.
+
+    ``target``: ``[tokens_in_flight, seconds]`` pairs for one ``target`` pass
+    (tokens in flight = batch × (1 + tree budget)), sorted by tokens.
+    ``draft``: ``[nodes, seconds]`` pairs for one ``draft_step`` over that many
+    frontier nodes (empty for an engine without a drafter).
+    """
+
+    target: list[list[float]]
+    draft: list[list[float]] = dataclasses.field(default_factory=list)
+    source: str = ""  # what was measured (engine, machine), for reports
+
+    def __post_init__(self) -> None:
+        for name in ("target", "draft"):
+            points = [[float(x), float(y)] for x, y in getattr(self, name)]
+            if any(x <= 0 or y < 0 for x, y in points):
+                raise ConfigError(f"cost model {name}: token counts must be > 0 and seconds >= 0")
+            setattr(self, name, sorted(points))
+        if not self.target:
+            raise ConfigError("cost model needs at least one target measurement")
+
+    def target_time(self, tokens_in_flight: float) -> float:
+        """Seconds of one target pass over ``tokens_in_flight`` new tokens (all sequences together)."""
+        return _interpolate(self.target, tokens_in_flight)
+
+    def draft_step_time(self, nodes: float) -> float:
+        """Seconds of one draft step over ``nodes`` frontier nodes."""
+        return _interpolate(self.draft, nodes)
+
+    def draft_time(self, batch: int, budget: int, depth: int, top_k: int = 8) -> float:
+        """Seconds of tree building: one draft step per level, at most ``depth`` levels.
+
+        Level 0 expands the ``batch`` roots; level d expands at most
+        ``min(budget, top_k ** d)`` nodes per sequence. Budget 0 builds no tree.
+        An upper bound: :func:`clover.tree.build_trees` may stop early.
+        """
+        if budget <= 0 or depth <= 0:
+            return 0.0
+        levels = min(depth, budget)
+        return sum(self.draft_step_time(batch * min(budget, top_k**d)) for d in range(levels))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"CostModel: unknown fields {unknown}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def prior_tokens_per_step(budget: int, depth: int) -> float:
+    """A conservative prior for E[tokens/step | budget]: 1 + (1 - 0.8^min(budget, 4·depth)) · 0.4 · depth.
+
+    Budget 4 with 3 heads gives about 1.7 tokens/step, well under what trained
+    Clover heads reach (the paper: above 2.5), so the chooser speculates only
+    where verification is nearly free until the decoder has measured better.
+    """
+    if budget <= 0 or depth <= 0:
+        return 1.0
+    return 1.0 + (1.0 - 0.8 ** min(budget, 4 * depth)) * 0.4 * depth
+
+
+@dataclasses.dataclass
+class AcceptanceModel:
+    """Expected tokens per step (accepted draft tokens + 1) against tree budget.
+
+    Starts from :func:`prior_tokens_per_step` (or ``prior``, budget -> tokens);
+    :meth:`observe` folds each step's mean tokens/step at the budget used into
+    an exponential moving average. A budget never observed borrows the ratio
+    observed/prior of extra tokens at the nearest observed budget, so one good
+    measurement lifts the whole curve and the chooser can move to other budgets.
+    """
+
+    depth: int = 3
+    decay: float = 0.9  # EMA weight of the past
+    prior: dict[int, float] | None = None
+    ema: dict[int, float] = dataclasses.field(default_factory=dict)
+    counts: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def prior_value(self, budget: int) -> float:
+        if budget <= 0:
+            return 1.0
+        if self.prior is not None and budget in self.prior:
+            return float(self.prior[budget])
+        return prior_tokens_per_step(budget, self.depth)
+
+    def expected(self, budget: int) -> float:
+        if budget <= 0:
+            return 1.0
+        if budget in self.ema:
+            return self.ema[budget]
+        observed = [b for b in self.ema if b > 0]
+        prior = self.prior_value(budget)
+        if not observed:
+            return prior
+        nearest = min(observed, key=lambda b: (abs(math.log(b / budget)), b))
+        base_extra = self.prior_value(nearest) - 1.0
+        scale = (self.ema[nearest] - 1.0) / base_extra if base_extra > 0 else 1.0
+        return 1.0 + max(0.0, (prior - 1.0) * scale)
+
+    def observe(self, budget: int, tokens_per_step: float, weight: int = 1) -> None:
+        """Fold in ``weight`` sequence-steps that averaged ``tokens_per_step`` at ``budget``."""
+        if budget <= 0 or weight <= 0:
+            return
+        keep = self.decay**weight
+        old = self.ema.get(budget, self.expected(budget))
+        self.ema[budget] = keep * old + (1.0 - keep) * float(tokens_per_step)
+        self.counts[budget] = self.counts.get(budget, 0) + weight
+
+
+def expected_throughput(batch: int, budget: int, cost: CostModel, tokens_per_step: float, depth: int,
+                        top_k: int = 8) -> float:
+    """Expected tokens/s of one decode step: ``batch * tokens_per_step / step seconds``."""
+    seconds = cost.target_time(batch * (1 + budget)) + cost.draft_time(batch, budget, depth, top_k)
+    return batch * tokens_per_step / seconds if seconds > 0 else math.inf
+
+
+def choose_budget(batch: int, cost: CostModel, expected_tokens, budgets: Iterable[int] = DEFAULT_BUDGETS,
+                  depth: int = 3, top_k: int = 8, max_budget: int | None = None) -> int:
+    """The tree budget (0 = vanilla) that maximises expected tokens/s for ``batch`` live sequences.
+
+    Args:
+        expected_tokens: ``budget -> E[tokens/step]`` (a callable such as
+            :meth:`AcceptanceModel.expected`, or a dict).
+        budgets: candidates; 0 is always added. ``max_budget`` caps them.
+        depth: draft levels (heads used); top_k: candidates per node.
+    Ties go to the smaller budget.
+    """
+    if batch < 1:
+        raise ValueError("batch must be >= 1")
+    lookup = expected_tokens.__getitem__ if isinstance(expected_tokens, dict) else expected_tokens
+    best, best_rate = 0, expected_throughput(batch, 0, cost, 1.0, depth, top_k)
+    for budget in sorted(set(budgets)):
+        if budget <= 0 or (max_budget is not None and budget > max_budget):
+            continue
+        rate = expected_throughput(batch, budget, cost, float(lookup(budget)), depth, top_k)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = budget, rate
+    return best
+
+
+class AdaptiveBudget:
+    """Per-decoder chooser state: the cost model, the acceptance estimates, the candidates.
+
+    ``explore_every``: when the choice is vanilla, every that many steps try the
+    best speculative budget once anyway, so acceptance keeps being measured
+    (lossless either way; 0 disables it).
+    """
+
+    def __init__(self, cost: CostModel, depth: int, top_k: int, max_budget: int,
+                 budgets: Iterable[int] = DEFAULT_BUDGETS, acceptance: AcceptanceModel | None = None,
+                 explore_every: int = 64) -> None:
+        self.cost, self.depth, self.top_k = cost, depth, top_k
+        self.budgets = sorted({b for b in (*budgets, max_budget) if 0 <= b <= max_budget})
+        self.acceptance = acceptance or AcceptanceModel(depth=depth)
+        self.explore_every = explore_every
+        self.history: list[tuple[int, int]] = []  # (batch, budget) per decode step
+        self._vanilla_run = 0
+        self._choices: dict[int, int] = {}  # batch -> budget, until the acceptance estimates change
+
+    def choose(self, batch: int) -> int:
+        budget = self._choices.get(batch)
+        if budget is None:
+            budget = choose_budget(batch, self.cost, self.acceptance.expected, self.budgets, self.depth, self.top_k)
+            self._choices[batch] = budget
+        if budget == 0:
+            self._vanilla_run += 1
+            if self.explore_every and self._vanilla_run >= self.explore_every:
+                self._vanilla_run = 0
+                rates = {b: expected_throughput(batch, b, self.cost, self.acceptance.expected(b), self.depth, self.top_k)
+                         for b in self.budgets if b > 0}
+                if rates:
+                    budget = max(rates, key=lambda b: (rates[b], -b))
+        else:
+            self._vanilla_run = 0
+        self.history.append((batch, budget))
+        return budget
+
+    def observe(self, budget: int, accepted_per_sequence: Sequence[int]) -> None:
+        """One step's accepted draft tokens per sequence at ``budget``."""
+        if accepted_per_sequence and budget > 0:
+            mean = 1.0 + sum(accepted_per_sequence) / len(accepted_per_sequence)
+            self.acceptance.observe(budget, mean, weight=len(accepted_per_sequence))
+            self._choices.clear()
+
+
+# -- calibration ----------------------------------------------------------
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _median_seconds(fn, repeats: int, device: str) -> float:
+    fn()  # warm-up (allocations, kernel selection)
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def token_counts(max_tokens: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_tokens`` (which is included)."""
+    counts, n = [], 1
+    while n < max_tokens:
+        counts.append(n)
+        n *= 2
+    return counts + [max_tokens]
+
+
+def calibrate(engine, max_tokens: int = 64, repeats: int = 5, past: int = 32, source: str = "") -> CostModel:
+    """Time ``engine.target`` and ``engine.draft_step`` on synthetic inputs.
+
+    Target: one sequence of n new tokens (a causal chain) after ``past``
+    cached tokens, for n = 1, 2, 4, ... ``max_tokens``; a batch of B trees of
+    size T does about the same weight traffic and arithmetic as one row of
+    B·T tokens. Draft: n frontier nodes at head 0. Median of ``repeats``
+    after one warm-up. Takes seconds on a small engine.
+    """
+    from clover.attention import causal_packed_mask
+    from clover.kv_cache import KVCache
+
+    spec = engine.spec
+    max_tokens = max(1, min(max_tokens, spec.max_seq_len))
+    past = max(0, min(past, spec.max_seq_len - max_tokens))  # positions must stay inside the engine's context
+    gen = torch.Generator().manual_seed(0)
+    counts = token_counts(max_tokens)
+    cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, past + max_tokens, spec.dtype,
+                    device=spec.device)
+    cache.add_rows(1)
+    k_cache, v_cache = cache.views()
+    target_points = []
+    for n in counts:
+        ids = torch.randint(0, spec.vocab_size, (1, n), generator=gen)
+        positions = torch.arange(past, past + n)[None]
+        lengths = torch.tensor([past], dtype=torch.int32)
+        mask = causal_packed_mask(1, n)
+        seconds = _median_seconds(lambda: engine.target(ids, positions, lengths, mask, k_cache, v_cache),
+                                  repeats, spec.device)
+        target_points.append([n, seconds])
+    draft_points = []
+    if spec.num_draft_heads:
+        for n in counts:
+            hidden = torch.randn(n, spec.hidden_size, generator=gen).to(spec.dtype)
+            token = torch.randint(0, spec.vocab_size, (n,), generator=gen)
+            seconds = _median_seconds(lambda: engine.draft_step(hidden, token, 0), repeats, spec.device)
+            draft_points.append([n, seconds])
+    return CostModel(target_points, draft_points, source=source)

@@ -1,0 +1,444 @@
+"""The benchmark command: ``python -m clover.bench --engine DIR [--medusa-engine DIR] --output results/bench``.
+
+Sweeps (each one measured interleaved in one run: every repeat runs every
+configuration of the sweep once, in a rotated order, so drifts in machine
+load hit all of them alike; the report gives the median and min–max):
+
+* ``batch``: tokens/s against batch size (1, 2, 4, 8, 16, 32) for vanilla,
+  medusa (with ``--medusa-engine``), clover at the fixed budget ``--budget``,
+  clover at other fixed budgets (``--fixed-budgets``) and adaptive clover
+  (the budget chosen per step from the engine's cost model, calibrated here
+  when the engine has none).
+* ``budget``: tokens/step and tokens/s against tree budget (1..32) at batch
+  ``--sweep-batch``.
+* ``heads``: tokens/step and tokens/s against the number of heads used (tree
+  depth 1..K of the engine's K heads; build the engine with ``--num-heads 5``
+  for 1..5).
+* ``hf``: transformers ``generate()`` at batch 1 (greedy, and prompt lookup)
+  on the engine's target checkpoint, against vanilla and clover on the engine.
+
+Outputs in ``--output``: ``bench.json`` (every sample), ``bench.md`` (tables,
+ratios against the issue's aims, the hardware, the command) and one PNG per
+sweep. ``--quick`` runs small sweeps (a smoke test, not evidence).
+
+Not here: per-category extra tokens/step (``training/evaluate.py --decode``
+measures it with trained heads and the prompt data) and the Triton sweep
+(``clover client --concurrency N`` runs :func:`clover.client.run_load`
+against a running server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clover.config import ConfigError, TreeConfig
+from clover.decode import GenerationRequest, SpeculativeDecoder
+
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a hash table works, with a small Python example.",
+    "What are the main causes of the French Revolution?",
+    "Give me three tips for writing clear technical documentation.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Summarise the water cycle for a ten-year-old.",
+    "How do I read a CSV file with the csv module in Python?",
+    "Describe a peaceful morning in a small fishing village.",
+]
+SWEEPS = ("batch", "budget", "heads", "hf")
+
+
+@dataclasses.dataclass
+class Config:
+    """One measured configuration of a sweep: ``x`` is the sweep's variable."""
+
+    sweep: str
+    x: int
+    name: str  # the line in the figure (method label)
+    method: str  # decode method, or hf-greedy / hf-prompt-lookup
+    batch: int
+    tree: TreeConfig | None = None
+    engine: str = "clover"  # which loaded engine: clover or medusa
+
+
+# -- measuring ---------------------------------------------------------------
+
+
+def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, cost_model=None) -> dict:
+    """One timed generation of ``config.batch`` prompts at once (fixed length: no stop tokens)."""
+    decoder = SpeculativeDecoder(engine, config.method, config.tree, max_batch_size=config.batch,
+                                 cost_model=cost_model)
+    requests = [GenerationRequest(prompts[i % len(prompts)], max_new_tokens=max_new, stop_token_ids=())
+                for i in range(config.batch)]
+    start = time.perf_counter()
+    results = decoder.generate(requests)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.token_ids) for r in results)
+    steps = sum(r.stats.num_steps for r in results)
+    sample = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+              "tokens_per_step": (tokens - len(results)) / steps if steps else 1.0}
+    if decoder.adaptive is not None:
+        budgets = [b for _, b in decoder.adaptive.history]
+        sample["budgets"] = {str(b): budgets.count(b) for b in sorted(set(budgets))}
+    return sample
+
+
+def run_hf(model, prompt_ids: list[int], max_new: int, lookup: int | None) -> dict:
+    """transformers ``generate()`` at batch 1, greedy, exactly ``max_new`` new tokens."""
+    ids = torch.tensor([prompt_ids])
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                             min_new_tokens=max_new, do_sample=False, pad_token_id=0, **extra)
+        seconds = time.perf_counter() - start
+    tokens = out.shape[1] - ids.shape[1]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tokens_per_step": None}
+
+
+def summarize(samples: list[dict], key: str) -> dict | None:
+    values = [s[key] for s in samples if s.get(key) is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+# -- the run ------------------------------------------------------------------
+
+
+def build_configs(args, spec, has_medusa: bool) -> dict[str, list[Config]]:
+    heads = spec.num_draft_heads
+    configs: dict[str, list[Config]] = {}
+    if "batch" in args.sweeps:
+        rows = []
+        for batch in args.batch_sizes:
+            rows.append(Config("batch", batch, "vanilla", "vanilla", batch))
+            if has_medusa:
+                rows.append(Config("batch", batch, "medusa", "medusa", batch, TreeConfig(budget=args.budget), "medusa"))
+            rows.append(Config("batch", batch, "clover", "clover", batch, TreeConfig(budget=args.budget)))
+            for budget in args.fixed_budgets:
+                if budget != args.budget:
+                    rows.append(Config("batch", batch, f"clover-b{budget}", "clover", batch, TreeConfig(budget=budget)))
+            rows.append(Config("batch", batch, "adaptive-clover", "clover", batch,
+                               TreeConfig(budget=args.adaptive_max_budget, adaptive=True)))
+        configs["batch"] = rows
+    if "budget" in args.sweeps:
+        rows = []
+        for budget in args.budgets:
+            rows.append(Config("budget", budget, "clover", "clover", args.sweep_batch, TreeConfig(budget=budget)))
+            if has_medusa:
+                rows.append(Config("budget", budget, "medusa", "medusa", args.sweep_batch, TreeConfig(budget=budget),
+                                   "medusa"))
+        configs["budget"] = rows
+    if "heads" in args.sweeps:
+        configs["heads"] = [Config("heads", k, "clover", "clover", args.sweep_batch, TreeConfig(budget=args.budget, depth=k))
+                            for k in range(1, heads + 1)]
+    if "hf" in args.sweeps:
+        configs["hf"] = [Config("hf", 1, "vanilla", "vanilla", 1),
+                         Config("hf", 1, "clover", "clover", 1, TreeConfig(budget=args.budget)),
+                         Config("hf", 1, "hf-greedy", "hf-greedy", 1),
+                         Config("hf", 1, "hf-prompt-lookup", "hf-prompt-lookup", 1)]
+    return configs
+
+
+def hardware() -> dict:
+    import onnxruntime
+
+    info = {"machine": platform.machine(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+            "torch_threads": torch.get_num_threads()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return info
+
+
+def run(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from clover.adaptive import calibrate
+    from clover.backends.onnxruntime import OnnxRuntimeEngine
+    from clover.cli import encode_prompt
+
+    log = (lambda m: None) if args.silent else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+    engines = {"clover": OnnxRuntimeEngine(args.engine, threads=args.threads)}
+    if args.medusa_engine:
+        engines["medusa"] = OnnxRuntimeEngine(args.medusa_engine, threads=args.threads)
+    spec = engines["clover"].spec
+    if not spec.num_draft_heads:
+        raise ConfigError(f"{args.engine}: the engine has no draft heads; build it with a drafter")
+    notes = []
+    cost_model = engines["clover"].cost_model
+    if cost_model is None and "batch" in args.sweeps:
+        log("the engine has no cost model (build_engine --calibrate); calibrating now")
+        cost_model = calibrate(engines["clover"], max_tokens=min(256, max(args.batch_sizes) * (1 + args.adaptive_max_budget)),
+                               repeats=3, source="calibrated by clover.bench")
+        notes.append("The engine had no stored cost model; adaptive clover used one calibrated at the start of this run.")
+    tokenizer = AutoTokenizer.from_pretrained(args.engine)
+    texts = PROMPTS[: args.num_prompts]
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
+
+    hf_model = None
+    if "hf" in args.sweeps:
+        from transformers import AutoModelForCausalLM
+
+        source = engines["clover"].meta.get("source", {}).get("target")
+        if source and Path(source).is_dir():
+            hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        else:
+            notes.append(f"transformers baseline skipped: the engine's target checkpoint {source!r} is not here.")
+            args.sweeps = [s for s in args.sweeps if s != "hf"]
+
+    configs = build_configs(args, spec, "medusa" in engines)
+
+    def measure(config: Config, repeat: int, max_new: int) -> dict:
+        if config.method.startswith("hf-"):
+            lookup = args.prompt_lookup if config.method == "hf-prompt-lookup" else None
+            return run_hf(hf_model, prompts[repeat % len(prompts)], max_new, lookup)
+        batch_prompts = prompts if config.sweep != "hf" else [prompts[repeat % len(prompts)]]
+        model = cost_model if config.tree is not None and config.tree.adaptive else None
+        return run_decode(engines[config.engine], config, batch_prompts, max_new, model)
+
+    samples: list[dict] = []
+    started = time.time()
+    for sweep, rows in configs.items():
+        log(f"sweep {sweep}: {len(rows)} configurations x {args.repeats} repeats (+ warm-up)")
+        for config in rows:  # warm-up: sessions, allocations, first-call costs; not recorded
+            measure(config, 0, min(4, args.max_new_tokens))
+        for repeat in range(args.repeats):
+            shift = repeat % len(rows)
+            for config in rows[shift:] + rows[:shift]:
+                sample = measure(config, repeat, args.max_new_tokens)
+                samples.append({"sweep": sweep, "x": config.x, "method": config.name, "batch": config.batch,
+                                "repeat": repeat, **sample})
+    log(f"measured in {time.time() - started:.0f} s")
+
+    sweeps: dict[str, Any] = {}
+    for sweep, rows in configs.items():
+        methods: dict[str, Any] = {}
+        for config in rows:
+            entry = methods.setdefault(config.name, {"x": [], "tokens_per_s": [], "tokens_per_step": []})
+            mine = [s for s in samples if s["sweep"] == sweep and s["x"] == config.x and s["method"] == config.name]
+            entry["x"].append(config.x)
+            entry["tokens_per_s"].append(summarize(mine, "tokens_per_s"))
+            entry["tokens_per_step"].append(summarize(mine, "tokens_per_step"))
+        sweeps[sweep] = {"x_label": {"batch": "batch size", "budget": "tree budget (draft nodes)",
+                                     "heads": "heads used (tree depth)", "hf": "batch"}[sweep], "methods": methods}
+    notes += [
+        "Per-category extra tokens/step is not measured here: run training/evaluate.py --decode with trained heads.",
+        "The Triton sweep is not run here: start `clover serve` and use `clover client --concurrency N` "
+        "(clover.client.run_load).",
+    ]
+    return {
+        "command": "python -m clover.bench " + " ".join(shlex.quote(a) for a in args.argv),
+        "hardware": hardware(),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("argv",)},
+        "engines": {name: str(e.engine_dir) for name, e in engines.items()},
+        "cost_model": cost_model.to_dict() if cost_model is not None else None,
+        "sweeps": sweeps,
+        "aims": aims(sweeps),
+        "notes": notes,
+        "samples": samples,
+    }
+
+
+def _median(sweeps, sweep, method, x) -> float | None:
+    entry = sweeps.get(sweep, {}).get("methods", {}).get(method)
+    if not entry or x not in entry["x"]:
+        return None
+    stat = entry["tokens_per_s"][entry["x"].index(x)]
+    return stat["median"] if stat else None
+
+
+def aims(sweeps: dict) -> list[dict]:
+    """The issue's aims as measured ratios (None where the run has no data for one)."""
+    out = []
+
+    def ratio(name, num, den, goal):
+        value = num / den if num is not None and den else None
+        out.append({"aim": name, "ratio": value, "goal": goal, "met": None if value is None else value >= goal})
+
+    ratio("clover / vanilla tokens/s, batch 1", _median(sweeps, "batch", "clover", 1),
+          _median(sweeps, "batch", "vanilla", 1), 2.0)
+    ratio("clover / transformers generate() greedy, batch 1", _median(sweeps, "hf", "clover", 1),
+          _median(sweeps, "hf", "hf-greedy", 1), 5.0)
+    batch = sweeps.get("batch", {}).get("methods", {})
+    for x in batch.get("vanilla", {}).get("x", []):
+        ratio(f"adaptive clover / vanilla tokens/s, batch {x}", _median(sweeps, "batch", "adaptive-clover", x),
+              _median(sweeps, "batch", "vanilla", x), 1.0)
+    return out
+
+
+# -- report -------------------------------------------------------------------
+
+
+def _cell(stat: dict | None, digits: int = 1) -> str:
+    if not stat:
+        return "–"
+    return f"{stat['median']:.{digits}f} ({stat['min']:.{digits}f}–{stat['max']:.{digits}f})"
+
+
+def markdown(report: dict) -> str:
+    lines = ["# Clover benchmark", "", f"Command: `{report['command']}`", ""]
+    hw = report["hardware"]
+    lines += [f"Hardware: {hw.get('cpu', hw['processor'])}, {hw['cpu_count']} CPUs; torch {hw['torch']}, "
+              f"onnxruntime {hw['onnxruntime']}, Python {hw['python']}.", "",
+              f"Settings: {report['settings']['repeats']} repeats, {report['settings']['max_new_tokens']} new tokens "
+              f"per sequence, interleaved; cells are median (min–max).", ""]
+    for sweep, data in report["sweeps"].items():
+        methods = list(data["methods"])
+        xs = sorted({x for m in data["methods"].values() for x in m["x"]})
+        for key, title, digits in (("tokens_per_s", "tokens/s", 1), ("tokens_per_step", "tokens/step", 2)):
+            lines += [f"## {sweep}: {title}", "", f"| {data['x_label']} | " + " | ".join(methods) + " |",
+                      "|---|" + "---|" * len(methods)]
+            for x in xs:
+                cells = []
+                for m in methods:
+                    entry = data["methods"][m]
+                    cells.append(_cell(entry[key][entry["x"].index(x)], digits) if x in entry["x"] else "–")
+                lines.append(f"| {x} | " + " | ".join(cells) + " |")
+            lines.append("")
+    adaptive = [s for s in report["samples"] if "budgets" in s]
+    if adaptive:
+        lines += ["## adaptive clover: budgets chosen (steps per budget, all repeats)", "", "| batch | budgets |",
+                  "|---|---|"]
+        for batch in sorted({s["batch"] for s in adaptive}):
+            counts: dict[str, int] = {}
+            for s in adaptive:
+                if s["batch"] == batch:
+                    for b, n in s["budgets"].items():
+                        counts[b] = counts.get(b, 0) + n
+            lines.append(f"| {batch} | " + ", ".join(f"{b}: {n}" for b, n in sorted(counts.items(), key=lambda kv: int(kv[0]))) + " |")
+        lines.append("")
+    lines += ["## Aims", "", "| aim | measured | goal | met |", "|---|---|---|---|"]
+    for aim in report["aims"]:
+        measured = "–" if aim["ratio"] is None else f"{aim['ratio']:.2f}×"
+        met = "–" if aim["met"] is None else ("yes" if aim["met"] else "**no**")
+        lines.append(f"| {aim['aim']} | {measured} | {aim['goal']}× | {met} |")
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, output: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for sweep, data in report["sweeps"].items():
+        keys = ["tokens_per_s"] if sweep in ("batch", "hf") else ["tokens_per_s", "tokens_per_step"]
+        fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.5), squeeze=False)
+        for ax, key in zip(axes[0], keys):
+            for i, (name, entry) in enumerate(data["methods"].items()):
+                points = [(x, s) for x, s in zip(entry["x"], entry[key]) if s]
+                if not points:
+                    continue
+                xs = [x for x, _ in points]
+                med = [s["median"] for _, s in points]
+                err = [[s["median"] - s["min"] for _, s in points], [s["max"] - s["median"] for _, s in points]]
+                if sweep == "hf":
+                    ax.bar([i], med, yerr=[[e] for e in (err[0][0], err[1][0])], capsize=4, label=name)
+                else:
+                    ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=name)
+            if sweep == "hf":
+                ax.set_xticks(range(len(data["methods"])), list(data["methods"]), rotation=20)
+            else:
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel(data["x_label"])
+            ax.set_ylabel(key.replace("_per_", "/").replace("_", " "))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"{sweep} sweep (median, min–max over {report['settings']['repeats']} repeats)")
+        fig.tight_layout()
+        path = output / f"{sweep}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# -- command line ------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m clover.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", required=True, help="Clover engine directory (onnxruntime)")
+    p.add_argument("--medusa-engine", help="Medusa engine directory on the same target (adds the medusa lines)")
+    p.add_argument("--output", default="results/bench", help="directory for bench.json, bench.md and the PNGs")
+    p.add_argument("--sweeps", default=",".join(SWEEPS), help=f"comma-separated subset of {','.join(SWEEPS)}")
+    p.add_argument("--quick", action="store_true", help="small sweeps, 2 repeats, 12 new tokens (a smoke test)")
+    p.add_argument("--batch-sizes", type=_ints, default=None, help="batch sweep (default 1,2,4,8,16,32)")
+    p.add_argument("--budgets", type=_ints, default=None, help="budget sweep (default 1,2,3,4,6,8,12,16,24,32)")
+    p.add_argument("--budget", type=int, default=4, help="fixed tree budget of medusa/clover (default 4)")
+    p.add_argument("--fixed-budgets", type=_ints, default=None,
+                   help="more fixed clover budgets in the batch sweep (default 1,8; quick: none)")
+    p.add_argument("--adaptive-max-budget", type=int, default=16, help="largest budget adaptive clover may pick")
+    p.add_argument("--sweep-batch", type=int, default=1, help="batch size of the budget and head sweeps (default 1)")
+    p.add_argument("--repeats", type=int, default=None, help="repeats per configuration (default 5; quick: 2)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per sequence (default 128; quick: 12)")
+    p.add_argument("--num-prompts", type=int, default=len(PROMPTS), help="distinct prompts used")
+    p.add_argument("--prompt-lookup", type=int, default=5, help="prompt_lookup_num_tokens of the transformers baseline")
+    p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
+    p.add_argument("--silent", action="store_true", help="no progress messages")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.sweeps = [s.strip() for s in args.sweeps.split(",") if s.strip()]
+    unknown = sorted(set(args.sweeps) - set(SWEEPS))
+    if unknown:
+        p.error(f"unknown sweeps {unknown}; choose from {', '.join(SWEEPS)}")
+    quick = args.quick
+    args.batch_sizes = args.batch_sizes or ([1, 2, 4] if quick else [1, 2, 4, 8, 16, 32])
+    args.budgets = args.budgets or ([1, 4, 8] if quick else [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
+    args.fixed_budgets = args.fixed_budgets if args.fixed_budgets is not None else ([] if quick else [1, 8])
+    args.repeats = args.repeats or (2 if quick else 5)
+    args.max_new_tokens = args.max_new_tokens or (12 if quick else 128)
+    if quick:
+        args.num_prompts = min(args.num_prompts, 4)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        report = run(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"clover.bench: error: {exc}", file=sys.stderr)
+        return 2
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    (output / "bench.md").write_text(markdown(report))
+    pngs = plot(report, output)
+    print(f"wrote {output / 'bench.json'}, {output / 'bench.md'}, " + ", ".join(p.name for p in pngs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Adaptive speculation: the budget chooser, the cost model, calibration, and lossless adaptive decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from clover.adaptive import (AcceptanceModel, AdaptiveBudget, CostModel, calibrate, choose_budget,
+                             expected_throughput, token_counts)
+from clover.backends.torch import TorchEngine
+from clover.config import ConfigError, TreeConfig
+from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.tree import build_trees
+from tests.conftest import make_drafter, make_target
+from tests.helpers import OracleEngine, random_prompts, vanilla_greedy
+
+MAX_NEW = 20
+
+# verification nearly free up to 256 tokens in flight (memory-bound), cheap draft steps
+FLAT = CostModel(target=[[1, 0.010], [256, 0.0102]], draft=[[1, 0.0005], [256, 0.0006]])
+# every token in flight costs the same (compute-bound from the first token), draft steps not free
+LINEAR = CostModel(target=[[1, 0.010], [64, 0.640]], draft=[[1, 0.003], [64, 0.004]])
+# the paper's Figure 2 shape: flat up to 16 tokens in flight, then linear
+ROOFLINE = CostModel(target=[[1, 0.010], [16, 0.011], [256, 0.176]], draft=[[1, 0.001], [256, 0.002]])
+HIGH = {b: 1.0 + 0.9 * min(b, 3) + 0.02 * b for b in range(1, 33)}  # a good drafter
+LOW = {b: 1.0 + 0.05 * min(b, 3) for b in range(1, 33)}  # a useless one
+
+
+def _generate(engine, method, prompts, tree, cost_model=None, batch_size=8, max_new=MAX_NEW):
+    decoder = SpeculativeDecoder(engine, method, tree, max_batch_size=batch_size, cost_model=cost_model)
+    results = decoder.generate([GenerationRequest(p, max_new_tokens=max_new + i % 3, stop_token_ids=())
+                                for i, p in enumerate(prompts)])
+    return decoder, results
+
+
+class CountingEngine:
+    """Counts draft_step calls of the wrapped engine."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.spec, self.draft_calls = inner, inner.spec, 0
+
+    def target(self, *args):
+        return self.inner.target(*args)
+
+    def draft_step(self, *args):
+        self.draft_calls += 1
+        return self.inner.draft_step(*args)
+
+
+# -- the chooser ------------------------------------------------------------------
+
+
+def test_expensive_verification_and_low_acceptance_choose_vanilla():
+    for batch in (1, 4, 32):
+        assert choose_budget(batch, LINEAR, LOW) == 0
+        assert choose_budget(batch, LINEAR, AcceptanceModel().expected) == 0
+        assert choose_budget(batch, FLAT, LOW) < 4 or batch == 1  # sanity: low acceptance never wants big trees
+
+
+def test_cheap_verification_and_high_acceptance_choose_a_large_budget():
+    assert choose_budget(1, FLAT, HIGH) >= 16
+    assert choose_budget(4, FLAT, HIGH) >= 8
+    # the choice really maximises the objective among the candidates
+    best = choose_budget(1, FLAT, HIGH, budgets=range(33))
+    rates = {b: expected_throughput(1, b, FLAT, HIGH.get(b, 1.0), 3) for b in range(33)}
+    assert rates[best] == max(rates.values())
+
+
+def test_budget_shrinks_with_batch_on_a_roofline():
+    chosen = [choose_budget(b, ROOFLINE, HIGH) for b in (1, 2, 4, 8, 16, 32)]
+    assert chosen[0] >= 3
+    assert chosen == sorted(chosen, reverse=True)
+    assert chosen[-1] == 0  # 32 sequences already fill the compute: vanilla
+    assert choose_budget(1, ROOFLINE, HIGH, max_budget=2) <= 2
+
+
+def test_budget_zero_is_vanilla_throughput():
+    assert expected_throughput(8, 0, LINEAR, 1.0, 3) == pytest.approx(8 / LINEAR.target_time(8))
+    assert LINEAR.draft_time(8, 0, 3) == 0.0
+
+
+def test_cost_model_interpolation_and_json_round_trip(tmp_path):
+    assert ROOFLINE.target_time(16) == pytest.approx(0.011)
+    assert ROOFLINE.target_time(136) == pytest.approx(0.011 + 0.165 / 2)
+    assert ROOFLINE.target_time(512) > ROOFLINE.target_time(256)  # extrapolated along the last slope
+    assert 0 < ROOFLINE.target_time(0.5) < ROOFLINE.target_time(1)
+    noisy = CostModel(target=[[1, 0.02], [2, 0.01], [4, 0.03]])  # a noisy dip never makes more tokens cheaper
+    assert noisy.target_time(2) >= noisy.target_time(1)
+    path = tmp_path / "cost.json"
+    ROOFLINE.save(path)
+    assert CostModel.load(path) == ROOFLINE
+    assert CostModel.from_dict(json.loads(json.dumps(FLAT.to_dict()))) == FLAT
+    with pytest.raises(ConfigError):
+        CostModel.from_dict({"target": [[1, 0.1]], "bogus": 1})
+    with pytest.raises(ConfigError):
+        CostModel(target=[])
+    tree = TreeConfig(budget=16, adaptive=True)
+    assert TreeConfig.from_dict(json.loads(json.dumps(tree.to_dict()))) == tree
+    with pytest.raises(ConfigError):
+        TreeConfig(adaptive=True, static_choices=[[0]])
+
+
+def test_acceptance_updates_online_and_moves_the_choice():
+    acceptance = AcceptanceModel(depth=3)
+    assert choose_budget(1, ROOFLINE, acceptance.expected) == choose_budget(1, ROOFLINE, acceptance.expected)
+    before = acceptance.expected(8)
+    for _ in range(50):
+        acceptance.observe(4, 3.5, weight=4)
+    assert acceptance.expected(4) == pytest.approx(3.5, abs=0.05)
+    assert acceptance.expected(8) > before  # unobserved budgets borrow the observed ratio
+    for _ in range(50):
+        acceptance.observe(4, 1.0, weight=4)
+    assert acceptance.expected(4) == pytest.approx(1.0, abs=0.05)
+    # a measured useless drafter on a linear cost: vanilla
+    assert choose_budget(1, LINEAR, acceptance.expected) == 0
+
+
+def test_adaptive_budget_explores_when_vanilla():
+    chooser = AdaptiveBudget(LINEAR, depth=3, top_k=8, max_budget=8, explore_every=4)
+    chosen = [chooser.choose(2) for _ in range(8)]
+    assert chosen.count(0) == 6 and all(0 < b <= 8 for b in chosen if b)
+    assert chooser.history == [(2, b) for b in chosen]
+
+
+# -- decoding --------------------------------------------------------------------
+
+
+def test_budget_zero_tree_calls_no_draft_step(tiny_engine):
+    counting = CountingEngine(tiny_engine)
+    hidden = torch.zeros(2, tiny_engine.spec.hidden_size)
+    trees = build_trees(counting.draft_step, hidden, [1, 2], TreeConfig(budget=0), 3)
+    assert counting.draft_calls == 0 and [len(t) for t in trees] == [1, 1]
+
+
+def test_adaptive_needs_a_cost_model(tiny_engine):
+    with pytest.raises(ConfigError, match="cost model"):
+        SpeculativeDecoder(tiny_engine, "clover", TreeConfig(adaptive=True))
+    SpeculativeDecoder(tiny_engine, "vanilla", TreeConfig(adaptive=True))  # vanilla never drafts
+
+
+@pytest.mark.parametrize("cost", ["flat", "linear", "roofline"])
+@pytest.mark.parametrize("method", ["clover", "medusa"])
+def test_adaptive_equals_vanilla_torch(cost, method):
+    target = make_target(seed=3)
+    engine = CountingEngine(TorchEngine(target, make_drafter(target, method=method, num_heads=3, seed=4),
+                                        max_seq_len=128))
+    prompts = random_prompts(3, 5, target.config.vocab_size, 1, 16)
+    expected = [vanilla_greedy(engine, [p], MAX_NEW + i % 3)[0] for i, p in enumerate(prompts)]
+    model = {"flat": FLAT, "linear": LINEAR, "roofline": ROOFLINE}[cost]
+    engine.draft_calls = 0
+    decoder, results = _generate(engine, method, prompts, TreeConfig(budget=16, adaptive=True), model, batch_size=3)
+    assert [r.token_ids for r in results] == expected
+    budgets = [b for _, b in decoder.adaptive.history]
+    if cost == "flat":  # speculation looks worth it from the prior: it drafts (until it measures the random heads)
+        assert budgets[0] >= 8 and engine.draft_calls > 0
+    elif cost == "linear":  # never pays (exploration steps aside): almost no draft steps
+        assert budgets.count(0) >= len(budgets) - len(budgets) // 64 - 1
+        assert engine.draft_calls <= 3 * sum(b > 0 for b in budgets)  # vanilla steps call no draft step
+    else:  # the live batch shrinks from 3 to 1 as requests finish and others join
+        assert max(budgets) <= 16
+
+
+def test_adaptive_oracle_speculates_and_stays_lossless():
+    target = make_target(seed=7)
+    inner = TorchEngine(target, None, max_seq_len=128)
+    prompts = random_prompts(9, 4, target.config.vocab_size, 3, 12)
+    expected = vanilla_greedy(inner, prompts, 24)
+    oracle = OracleEngine(inner, prompts, expected, num_heads=3)
+    decoder = SpeculativeDecoder(oracle, "clover", TreeConfig(budget=8, adaptive=True), cost_model=ROOFLINE)
+    results = decoder.generate([GenerationRequest(p, max_new_tokens=24, stop_token_ids=()) for p in prompts])
+    assert [r.token_ids for r in results] == expected
+    budgets = [b for _, b in decoder.adaptive.history]
+    assert min(budgets) >= 3  # roofline + perfect acceptance: trees every step, deep enough for all heads
+    assert decoder.adaptive.acceptance.expected(budgets[-1]) > 3.0  # learned online
+    assert all(r.tokens_per_step > 3.0 for r in results)
+
+
+def test_adaptive_moves_to_vanilla_for_a_useless_drafter():
+    """Random heads accept almost nothing: once measured, a roofline at batch 4 no longer pays for trees."""
+    target = make_target(seed=11)
+    engine = TorchEngine(target, make_drafter(target, num_heads=3, seed=12), max_seq_len=256)
+    prompts = random_prompts(11, 4, target.config.vocab_size, 2, 8)
+    steep = CostModel(target=[[1, 0.010], [16, 0.011], [64, 0.160]], draft=[[1, 0.002], [64, 0.003]])
+    acceptance = AcceptanceModel(depth=3, prior={b: 1.0 + 0.9 * min(b, 3) for b in range(1, 33)})
+    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8, adaptive=True), cost_model=steep)
+    decoder.adaptive.acceptance = acceptance  # an optimistic prior, corrected by measurement
+    results = decoder.generate([GenerationRequest(p, max_new_tokens=40, stop_token_ids=()) for p in prompts])
+    assert [r.token_ids for r in results] == vanilla_greedy(engine, prompts, 40)
+    budgets = [b for _, b in decoder.adaptive.history]
+    assert budgets[0] > 0 and budgets[-1] == 0
+
+
+# -- calibration -----------------------------------------------------------------
+
+
+def test_calibrate_torch_engine_gives_increasing_times(tiny_engine):
+    model = calibrate(tiny_engine, max_tokens=256, repeats=2)
+    assert [p[0] for p in model.target] == token_counts(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert model.target[-1][1] > model.target[0][1]
+    assert model.draft[-1][1] > model.draft[0][1]
+    assert all(s > 0 for _, s in model.target + model.draft)
+    assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
+
+
+def test_calibrated_onnx_engine(tmp_path):
+    from clover.backends.onnxruntime import OnnxRuntimeEngine
+    from clover.export.engine_dir import build_engine, read_engine_meta
+    from tests.conftest import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
+    engine_dir = build_engine(tmp_path / "engine", str(checkpoint), None, max_seq=128, calibrate=True,
+                              calibrate_max_tokens=128, progress=lambda m: None)
+    meta = read_engine_meta(engine_dir)
+    assert [p[0] for p in meta["cost_model"]["target"]] == token_counts(128)
+    engine = OnnxRuntimeEngine(engine_dir)
+    assert engine.cost_model == CostModel.from_dict(meta["cost_model"])
+    assert engine.cost_model.target[-1][1] > engine.cost_model.target[0][1]
+    prompts = random_prompts(1, 3, engine.spec.vocab_size, 2, 10)
+    expected = [vanilla_greedy(engine, [p], MAX_NEW + i % 3)[0] for i, p in enumerate(prompts)]
+    decoder, results = _generate(engine, "clover", prompts, TreeConfig(budget=8, adaptive=True))  # engine's model
+    assert [r.token_ids for r in results] == expected
+    assert decoder.adaptive.cost is engine.cost_model
+    from clover.cli import main as clover_main
+
+    summary = tmp_path / "summary.json"
+    assert clover_main(["generate", "--engine", str(engine_dir), "--prompt", "hi", "--adaptive", "--tree-budget", "8",
+                        "--max-new-tokens", "6", "--summary", str(summary)]) == 0
+    assert json.loads(summary.read_text())["new_tokens"] == 6

@@ -1,0 +1,75 @@
+"""`python -m clover.bench --quick` on tiny engines: JSON, Markdown and PNGs with every method."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clover.bench import main as bench_main
+from clover.bench import parse_args
+from clover.drafters import save_drafter
+from clover.export.engine_dir import build_engine
+from clover.target import load_target
+from tests.conftest import make_drafter, write_tiny_checkpoint
+
+quiet = dict(progress=lambda message: None)
+METHODS = ["vanilla", "medusa", "clover", "adaptive-clover"]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    checkpoint = write_tiny_checkpoint(root / "ckpt")
+    clover = build_engine(root / "clover", str(checkpoint), None, max_seq=128, num_heads=3, **quiet)  # no cost model
+    heads = root / "medusa-heads"
+    save_drafter(make_drafter(load_target(checkpoint), method="medusa", num_heads=3), heads)
+    medusa = build_engine(root / "medusa", str(checkpoint), str(heads), max_seq=128, **quiet)
+    return clover, medusa
+
+
+def test_quick_bench_writes_every_method(engines, tmp_path):
+    clover, medusa = engines
+    out = tmp_path / "report"
+    assert bench_main(["--engine", str(clover), "--medusa-engine", str(medusa), "--output", str(out), "--quick",
+                       "--silent", "--max-new-tokens", "8", "--threads", "1"]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert set(report["sweeps"]) == {"batch", "budget", "heads", "hf"}
+    batch = report["sweeps"]["batch"]["methods"]
+    assert set(batch) == set(METHODS)
+    for name in METHODS:
+        assert batch[name]["x"] == [1, 2, 4]
+        assert all(s["n"] == 2 and s["min"] <= s["median"] <= s["max"] and s["median"] > 0
+                   for s in batch[name]["tokens_per_s"])
+    assert report["sweeps"]["budget"]["methods"]["clover"]["x"] == [1, 4, 8]
+    assert report["sweeps"]["heads"]["methods"]["clover"]["x"] == [1, 2, 3]
+    assert set(report["sweeps"]["hf"]["methods"]) == {"vanilla", "clover", "hf-greedy", "hf-prompt-lookup"}
+    assert report["cost_model"]["target"]  # calibrated in the run: the engine had none
+    # every comparison is interleaved: each repeat of a sweep measures all of its configurations
+    for sweep in ("batch", "hf"):
+        per_repeat = {}
+        for s in report["samples"]:
+            if s["sweep"] == sweep:
+                per_repeat.setdefault(s["repeat"], set()).add((s["x"], s["method"]))
+        assert len(per_repeat) == 2 and len({frozenset(v) for v in per_repeat.values()}) == 1
+    assert any("budgets" in s for s in report["samples"] if s["method"] == "adaptive-clover")
+    assert {a["aim"].split(",")[0] for a in report["aims"]} >= {"clover / vanilla tokens/s",
+                                                               "adaptive clover / vanilla tokens/s"}
+    md = (out / "bench.md").read_text()
+    for name in METHODS + ["hf-greedy", "hf-prompt-lookup"]:
+        assert f"| {name}" in md or f" {name} |" in md
+    assert "## Aims" in md and report["command"] in md
+    for sweep in ("batch", "budget", "heads", "hf"):
+        png = out / f"{sweep}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_bench_arguments():
+    args = parse_args(["--engine", "e", "--quick"])
+    assert args.batch_sizes == [1, 2, 4] and args.repeats == 2 and args.fixed_budgets == []
+    full = parse_args(["--engine", "e", "--sweeps", "batch,budget"])
+    assert full.batch_sizes == [1, 2, 4, 8, 16, 32] and full.sweeps == ["batch", "budget"] and full.repeats == 5
+    with pytest.raises(SystemExit):
+        parse_args(["--engine", "e", "--sweeps", "nope"])
+    with pytest.raises(SystemExit):
+        parse_args(["--engine", "e", "--budgets", "a,b"])
