@@ -3,7 +3,7 @@
 # prompts distilled, 25k assistant tokens of training per method, evaluation. Usage: training/pilot.sh [WORKDIR]
 set -euo pipefail
 W=$(realpath -m "${1:-outputs/pilot}")
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.."  # the commands below run from the repository root
 date
 mkdir -p $W && (apt-get update -qq && bash training/install_sources.sh) > $W/install.log 2>&1 || echo "sources install failed (see $W/install.log)"
 python training/data.py --output $W/data/prompts
