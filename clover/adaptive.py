@@ -24,16 +24,14 @@ budget shrinks with the batch, down to 0 (vanilla: no draft steps at all).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 import time
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
-from clover.config import ConfigError
+from clover.config import ConfigError, JsonMixin
 
 DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -62,7 +60,7 @@ def _interpolate(points: Sequence[Sequence[float]], x: float) -> float:
 
 
 @dataclasses.dataclass
-class CostModel:
+class CostModel(JsonMixin):
     """Measured step times of one engine on one machine.
 
     ``target``: ``[tokens_in_flight, seconds]`` pairs for one ``target`` pass
@@ -103,24 +101,6 @@ class CostModel:
             return 0.0
         levels = min(depth, budget)
         return sum(self.draft_step_time(batch * min(budget, top_k**d)) for d in range(levels))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "CostModel":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"CostModel: unknown fields {unknown}")
-        return cls(**data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 def prior_tokens_per_step(budget: int, depth: int) -> float:

@@ -21,7 +21,9 @@ class ConfigError(ValueError):
     """A configuration or checkpoint is unsupported or inconsistent."""
 
 
-class _JsonMixin:
+class JsonMixin:
+    """to_dict / from_dict (unknown fields rejected) / save / load as JSON, for dataclasses."""
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -42,7 +44,7 @@ class _JsonMixin:
 
 
 @dataclasses.dataclass
-class TargetConfig(_JsonMixin):
+class TargetConfig(JsonMixin):
     """Shape of a Llama-family decoder (Llama, SmolLM, Mistral, Qwen2)."""
 
     vocab_size: int
@@ -112,7 +114,7 @@ class TargetConfig(_JsonMixin):
 
 
 @dataclasses.dataclass
-class DrafterConfig(_JsonMixin):
+class DrafterConfig(JsonMixin):
     """Draft heads trained on top of one frozen target.
 
     ``method`` selects the drafter: ``clover`` (Augmenting Block + Attention
@@ -153,7 +155,7 @@ class DrafterConfig(_JsonMixin):
 
 
 @dataclasses.dataclass
-class TreeConfig(_JsonMixin):
+class TreeConfig(JsonMixin):
     """Token-tree settings, passed to the decode loop per call (never stored on modules).
 
     ``budget``: draft nodes per sequence per step, not counting the root.
@@ -194,7 +196,7 @@ class TreeConfig(_JsonMixin):
 
 
 @dataclasses.dataclass
-class SamplingConfig(_JsonMixin):
+class SamplingConfig(JsonMixin):
     """Per-sequence sampling. ``temperature == 0`` is greedy decoding."""
 
     temperature: float = 0.0

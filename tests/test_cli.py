@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from clover import demo
 from clover.cli import main

@@ -134,19 +134,29 @@ def test_cancel_leaves_batch_and_others_unchanged():
     expected = vanilla_greedy(engine, prompts, 20)
     decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4))
     ids = [decoder.submit(GenerationRequest(p, max_new_tokens=20, stop_token_ids=())) for p in prompts]
-    decoder.step()
-    decoder.step()
+    tokens = {i: [] for i in ids}
+    finished = {}
+
+    def run_step():
+        events = decoder.step()
+        for e in events:
+            tokens[e.seq_id] += e.new_token_ids
+            if e.finished:
+                finished[e.seq_id] = e.finish_reason
+        return events
+
+    run_step()
+    run_step()
     decoder.cancel(ids[1])
-    events = decoder.step()
+    events = run_step()
     assert any(e.seq_id == ids[1] and e.finish_reason == "cancelled" for e in events)
     assert decoder.num_running == 2
-    done = {}
     while decoder.has_work:
-        for e in decoder.step():
-            if e.finished:
-                done[e.seq_id] = True
-    # finished sequences leave the running set; results of the others are intact
-    assert set(done) == {ids[0], ids[2]}
+        run_step()
+    assert finished == {ids[0]: "length", ids[1]: "cancelled", ids[2]: "length"}
+    # the cancelled sequence stopped early; the others are exactly their solo vanilla output
+    assert tokens[ids[0]] == expected[0] and tokens[ids[2]] == expected[2]
+    assert tokens[ids[1]] == expected[1][: len(tokens[ids[1]])] and len(tokens[ids[1]]) < 20
 
 
 def test_max_seq_len_ends_sequence_with_length():

@@ -20,7 +20,7 @@ from clover.config import ConfigError
 from clover.decode import SpeculativeDecoder
 from clover.serving.batcher import BatcherMetrics, InflightBatcher, Update
 from clover.serving.engines import load_serving_engine, resolve_engine_dir
-from clover.serving.protocol import RequestError, RequestLimits, model_parameters, parse_request, response_tensors
+from clover.serving.protocol import RequestLimits, model_parameters, parse_request, response_tensors
 
 
 def _int_param(params: dict, name: str, default: int | None) -> int | None:
