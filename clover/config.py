@@ -21,6 +21,16 @@ class ConfigError(ValueError):
     """A configuration or checkpoint is unsupported or inconsistent."""
 
 
+def read_json_file(path: Path, missing: str) -> Any:
+    """Parsed JSON of ``path``; :class:`ConfigError` with ``missing`` when absent, or naming the parse error."""
+    if not path.exists():
+        raise ConfigError(missing)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON ({exc})") from exc
+
+
 class JsonMixin:
     """to_dict / from_dict (unknown fields rejected) / save / load as JSON, for dataclasses."""
 

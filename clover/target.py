@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from clover.attention import tree_attention
-from clover.config import ConfigError, TargetConfig
+from clover.config import ConfigError, TargetConfig, read_json_file
 
 
 class RMSNorm(nn.Module):
@@ -181,13 +181,8 @@ def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
 
 def load_target_config(directory: str | Path) -> TargetConfig:
     directory = Path(directory)
-    config_path = directory / "config.json"
-    if not config_path.exists():
-        raise ConfigError(f"{directory}: not a Hugging Face checkpoint directory (no config.json)")
-    try:
-        hf = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{config_path}: invalid JSON ({exc})") from exc
+    hf = read_json_file(directory / "config.json",
+                        f"{directory}: not a Hugging Face checkpoint directory (no config.json)")
     return TargetConfig.from_hf(hf)
 
 

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from clover.config import ConfigError, DrafterConfig, TreeConfig
+from clover.config import ConfigError, DrafterConfig, TreeConfig, read_json_file
 from clover.engine import CONTRACT_VERSION
 
 ENGINE_FILE = "engine.json"
@@ -181,12 +181,8 @@ def engine_cost_model(meta: dict):
 def read_engine_meta(engine_dir: str | Path) -> dict:
     engine_dir = Path(engine_dir)
     path = engine_dir / ENGINE_FILE
-    if not path.exists():
-        raise ConfigError(f"{engine_dir}: not an engine directory (no {ENGINE_FILE}); build one with export/build_engine.py")
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON ({exc})") from exc
+    meta = read_json_file(path, f"{engine_dir}: not an engine directory (no {ENGINE_FILE}); "
+                                "build one with export/build_engine.py")
     if meta.get("contract_version") != CONTRACT_VERSION:
         raise ConfigError(f"{path}: engine contract version {meta.get('contract_version')} is not "
                           f"{CONTRACT_VERSION}; rebuild the engine")
