@@ -160,12 +160,16 @@ class SpeculativeDecoder:
         tree: tree settings (default: dynamic tree, budget 4).
         tokenizer: a transformers tokenizer, for EOS, stop strings and text.
         max_batch_size: live sequences at most; later requests wait.
+        prefill_chunk_tokens: padded prompt tokens per prefill call at most
+            (prompts are grouped by length): bounds the ``[B, T, vocab]``
+            logits and the padding waste when many requests join at once.
         cost_model: step times for adaptive trees (``tree.adaptive``); default
             the engine's ``cost_model`` (calibrated by ``build_engine --calibrate``).
     """
 
     def __init__(self, engine: Engine, method: str = "clover", tree: TreeConfig | None = None,
-                 tokenizer=None, max_batch_size: int = 64, cost_model: CostModel | None = None) -> None:
+                 tokenizer=None, max_batch_size: int = 64, cost_model: CostModel | None = None,
+                 prefill_chunk_tokens: int = 2048) -> None:
         spec = engine.spec
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -183,6 +187,7 @@ class SpeculativeDecoder:
                 raise ConfigError(f"static tree needs rank {deepest_rank}, the engine's draft top-k is {spec.draft_top_k}")
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
                              device=spec.device)
         self._ids = itertools.count()
@@ -241,7 +246,8 @@ class SpeculativeDecoder:
         room = self.max_batch_size - len(self._running)
         if room > 0 and self._pending:
             admitted, self._pending = self._pending[:room], self._pending[room:]
-            events += self._prefill(admitted)
+            for chunk in self._prefill_chunks(admitted):
+                events += self._prefill(chunk)
         if self._running:
             events += self._decode_step()
         return events
@@ -282,8 +288,19 @@ class SpeculativeDecoder:
 
     def _remove(self, rows: list[int]) -> None:
         if rows:
-            self.cache.remove_rows(rows)
-            self._running = [s for i, s in enumerate(self._running) if i not in set(rows)]
+            order = self.cache.remove_rows(rows)
+            self._running = [self._running[i] for i in order]
+
+    def _prefill_chunks(self, seqs: list[_Sequence]) -> list[list[_Sequence]]:
+        """Admitted sequences grouped by prompt length, at most ``prefill_chunk_tokens`` padded tokens a group."""
+        chunks: list[list[_Sequence]] = []
+        for seq in sorted(seqs, key=lambda s: len(s.request.prompt_ids)):
+            width = len(seq.request.prompt_ids)  # the longest so far, as they are sorted
+            if chunks and width * (len(chunks[-1]) + 1) <= self.prefill_chunk_tokens:
+                chunks[-1].append(seq)
+            else:
+                chunks.append([seq])
+        return chunks
 
     def _prefill(self, seqs: list[_Sequence]) -> list[StepEvent]:
         """One causal pass over the new prompts (right-padded); emits each first token."""

@@ -60,15 +60,28 @@ class KVCache:
         self.num_rows += count
         return range(start, start + count)
 
-    def remove_rows(self, rows: list[int]) -> None:
-        """Drop finished rows, keeping the others in order at the front."""
+    def remove_rows(self, rows: list[int]) -> list[int]:
+        """Drop finished rows; the last live rows move into the holes.
+
+        Only the moved rows' valid prefixes are copied (a full compaction of a
+        ``[L, 32, Hkv, 1024, D]`` cache costs more than a decode step).
+
+        Returns:
+            ``order``: ``order[j]`` is the old index of the row now at ``j``.
+        """
         drop = set(rows)
-        keep = torch.tensor([r for r in range(self.num_rows) if r not in drop], dtype=torch.long)
-        keep_on_device = keep.to(self.device)
-        for tensor in (self._keys, self._values):
-            tensor[:, : len(keep)] = tensor[:, keep_on_device]
-        self._lengths[: len(keep)] = self._lengths[keep].clone()
-        self.num_rows = len(keep)
+        order = list(range(self.num_rows))
+        live = self.num_rows - len(drop)
+        movers = [r for r in range(live, self.num_rows) if r not in drop]
+        holes = [r for r in sorted(drop) if r < live]
+        for hole, mover in zip(holes, movers):
+            length = int(self._lengths[mover])
+            for tensor in (self._keys, self._values):
+                tensor[:, hole, :, :length] = tensor[:, mover, :, :length]
+            self._lengths[hole] = self._lengths[mover]
+            order[hole] = mover
+        self.num_rows = live
+        return order[:live]
 
     @property
     def lengths(self) -> torch.Tensor:

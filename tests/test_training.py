@@ -346,9 +346,10 @@ def test_training_forward_equals_inference_chain(tiny, distilled):
             hidden = draft.next_hidden
 
 
-def test_training_loss_decreases_and_checkpoint_round_trips(tiny, cache_dir, tmp_path):
+@pytest.mark.parametrize("autocast", [None, "bf16"])
+def test_training_loss_decreases_and_checkpoint_round_trips(tiny, cache_dir, tmp_path, autocast):
     target = tiny["target"]
-    cfg = tiny_config(cache_dir, tmp_path / "run", epochs=6, lr=5e-3)
+    cfg = tiny_config(cache_dir, tmp_path / "run", epochs=6, lr=5e-3, autocast=autocast)
     initial = train_mod.build_drafter(cfg, target)
     summary = train_mod.train(cfg, target=target)
     log = [json.loads(line) for line in (tmp_path / "run" / train_mod.LOG_FILE).read_text().splitlines()]
@@ -457,3 +458,5 @@ def test_commands_end_to_end(tiny, tmp_path):
         assert 0 <= dec["extra_tokens_per_step"] <= 3
     md = (out / "eval.md").read_text()
     assert "head 3 top-5" in md and "clover / medusa" in md and "**overall**" in md
+    for figure in ("head_accuracy.png", "extra_tokens_per_category.png"):
+        assert (out / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

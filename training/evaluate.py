@@ -10,8 +10,9 @@ Two measurements per set of heads, on the eval split:
    chain and must rank token t+i+2 first (top-1) or in its top 5 (top-5).
    This is the training forward (:func:`training.train.run_batch`) without the
    backward.
-2. **Decoding** with the torch backend (``TorchEngine(target, drafter)``) and
-   :class:`clover.decode.SpeculativeDecoder`, greedy, dynamic tree with
+2. **Decoding** with :class:`clover.decode.SpeculativeDecoder` on an
+   onnxruntime engine built from the heads (``--backend torch``: the torch
+   reference, same tokens, slower), greedy, dynamic tree with
    ``--tree-budget`` nodes (default 4), on ``--per-category`` prompts of each
    category. Per category, pooled over all decode steps (target passes after
    the prompt pass):
@@ -23,7 +24,9 @@ Two measurements per set of heads, on the eval split:
    * ``extra_tokens_per_step`` = tokens_per_step - 1 = accepted_per_step, the
      quantity the paper compares (0 for vanilla decoding).
 
-Writes ``eval.json`` and ``eval.md`` (Markdown tables) to ``--output``.
+Writes ``eval.json``, ``eval.md`` (Markdown tables) and, with matplotlib,
+``head_accuracy.png`` (Figure 7a) and ``extra_tokens_per_category.png``
+(Figure 6) to ``--output``.
 """
 
 from __future__ import annotations
@@ -114,17 +117,34 @@ def prompt_ids_of(record: dict, tokenizer) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
 
 
-def decode_eval(target, drafter, tokenizer, records: list[dict], *, tree_budget: int = 4, max_new_tokens: int = 128,
-                batch_size: int = 8, max_seq: int = 1024, progress: bool = True) -> dict:
-    """Greedy speculative decoding with the torch backend; accepted tokens per step per category."""
+def decode_engine(target_dir, drafter_dir: Path, backend: str, work_dir: Path, *, target=None, drafter=None,
+                  max_seq: int = 1024, max_batch: int = 8, threads: int | None = None):
+    """The engine the decode evaluation runs on.
+
+    ``onnxruntime`` (the CPU speed path) builds an engine from the heads into
+    ``work_dir``; ``torch`` wraps the loaded target and drafter. Both decode the
+    same tokens (tests/test_lossless.py); only the speed differs.
+    """
+    if backend == "torch":
+        from clover.backends.torch import TorchEngine
+
+        return TorchEngine(target, drafter.float().cpu().eval(), max_seq_len=max_seq)
+    from clover.backends.onnxruntime import OnnxRuntimeEngine
+    from clover.export.engine_dir import build_engine
+
+    build_engine(work_dir, str(target_dir), str(drafter_dir), max_seq=max_seq, max_batch=max_batch,
+                 overwrite=True, progress=lambda message: None)
+    return OnnxRuntimeEngine(work_dir, threads=threads)
+
+
+def decode_eval(engine, tokenizer, records: list[dict], *, tree_budget: int = 4, max_new_tokens: int = 128,
+                batch_size: int = 8, progress: bool = True) -> dict:
+    """Greedy speculative decoding on ``engine``; accepted tokens per step per category."""
     from tqdm import tqdm
 
-    from clover.backends.torch import TorchEngine
     from clover.decode import GenerationRequest, SpeculativeDecoder
 
-    drafter = drafter.float().cpu().eval()
-    engine = TorchEngine(target, drafter, max_seq_len=max_seq)
-    method = "medusa" if drafter.config.method == "medusa" else "clover"
+    method = "medusa" if engine.spec.drafter_method == "medusa" else "clover"
     decoder = SpeculativeDecoder(engine, method, tree=TreeConfig(budget=tree_budget), tokenizer=tokenizer,
                                  max_batch_size=batch_size)
     requests, cats = [], []
@@ -200,6 +220,58 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict, output: Path) -> list[Path]:
+    """PNG figures: per-head accuracy (the paper's Figure 7a) and extra tokens per step per category (Figure 6)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    runs = report["runs"]
+    tf_runs = {n: r["teacher_forced"]["overall"] for n, r in runs.items() if r.get("teacher_forced")}
+    if tf_runs:
+        num_heads = max(len(t["top1"]) for t in tf_runs.values())
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+        width = 0.8 / len(tf_runs)
+        for ax, key in zip(axes, ("top1", "top5")):
+            for j, (name, tf) in enumerate(tf_runs.items()):
+                xs = [i + j * width for i in range(len(tf[key]))]
+                ax.bar(xs, tf[key], width, label=name)
+            ax.set_xticks([i + width * (len(tf_runs) - 1) / 2 for i in range(num_heads)],
+                          [f"head {i + 1}" for i in range(num_heads)])
+            ax.set_title(f"{key.replace('top', 'top-')} accuracy, teacher-forced (eval split)")
+            ax.grid(axis="y", alpha=0.3)
+        axes[0].set_ylabel("accuracy")
+        axes[0].legend()
+        fig.tight_layout()
+        path = output / "head_accuracy.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    dec_runs = {n: r["decode"] for n, r in runs.items() if r.get("decode")}
+    if dec_runs:
+        cats = [c for c in CATEGORIES if any(c in d["by_category"] for d in dec_runs.values())] + ["overall"]
+        fig, ax = plt.subplots(figsize=(11, 4))
+        width = 0.8 / len(dec_runs)
+        for j, (name, dec) in enumerate(dec_runs.items()):
+            vals = [(dec["overall"] if c == "overall" else dec["by_category"].get(c, {})).get("extra_tokens_per_step", 0)
+                    for c in cats]
+            ax.bar([i + j * width for i in range(len(cats))], vals, width, label=name)
+        ax.set_xticks([i + width * (len(dec_runs) - 1) / 2 for i in range(len(cats))],
+                      [CATEGORY_TITLES.get(c, c) for c in cats], rotation=20, ha="right")
+        ax.set_ylabel("extra tokens per step")
+        ax.set_title(f"Accepted draft tokens per step, greedy, tree budget {report['settings']['tree_budget']}")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = output / "extra_tokens_per_category.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
 def parse_heads(values: list[str]) -> dict[str, Path]:
     out = {}
     for value in values:
@@ -224,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-conversations", type=int, default=None, help="teacher-forced: first N eval conversations")
     parser.add_argument("--device", default="auto", help="teacher-forced pass device (decoding runs on CPU)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--backend", choices=("onnxruntime", "torch"), default="onnxruntime",
+                        help="decoding engine (onnxruntime builds one per heads under OUTPUT/engines)")
     args = parser.parse_args(argv)
     if not args.cache and not args.prompts:
         parser.error("pass --cache (teacher-forced accuracy) and/or --prompts (decoding)")
@@ -245,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     records = select_prompts(read_jsonl(args.prompts), args.per_category) if args.prompts else []
     report = {"settings": {"target": str(target_dir), "cache": args.cache, "prompts": args.prompts,
                            "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-                           "tree_budget": args.tree_budget, "greedy": True, "backend": "torch"},
+                           "tree_budget": args.tree_budget, "greedy": True, "backend": args.backend},
               "runs": {}}
     for name, directory in parse_heads(args.heads).items():
         try:
@@ -259,14 +333,22 @@ def main(argv: list[str] | None = None) -> int:
                                                    device=pick_device(args.device),
                                                    max_conversations=args.max_conversations)
         if records:
-            run["decode"] = decode_eval(target, drafter, tokenizer, records, tree_budget=args.tree_budget,
-                                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                        max_seq=args.max_seq)
+            engine = decode_engine(target_dir, directory, args.backend, Path(args.output) / "engines" / name,
+                                   target=target, drafter=drafter, max_seq=args.max_seq,
+                                   max_batch=args.batch_size, threads=args.threads)
+            run["decode"] = decode_eval(engine, tokenizer, records, tree_budget=args.tree_budget,
+                                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
         report["runs"][name] = run
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "eval.md").write_text(markdown(report))
+    try:
+        figures = plot(report, out)
+    except ImportError:  # matplotlib is an optional extra
+        print("matplotlib is not installed: no figures (pip install matplotlib)", file=sys.stderr)
+    else:
+        print("figures: " + ", ".join(str(f) for f in figures), file=sys.stderr)
     print(markdown(report))
     return 0
 

@@ -83,6 +83,7 @@ class TrainConfig:
     row_chunk: int = 1024                 # roots per LM-head chunk (memory bound)
     grad_clip: float = 1.0
     head_decay: float = 1.0               # loss weight of head i: head_decay ** i
+    autocast: str | None = None           # "bf16": mixed precision (fp32 weights, bf16 matmuls; fast on AMX/GPU)
     seed: int = 0
     save_every: int = 20
     log_every: int = 10
@@ -338,6 +339,8 @@ def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
     """Run (or resume) training; returns the summary dict. ``on_step(step)`` runs after each step."""
     if cfg.method not in DRAFTER_METHODS:
         raise ConfigError(f"unknown method {cfg.method!r}; choose one of {', '.join(DRAFTER_METHODS)}")
+    if cfg.autocast not in (None, "bf16"):
+        raise ConfigError(f"autocast {cfg.autocast!r}: use bf16 or leave it unset")
     from tqdm import tqdm
 
     if cfg.threads:
@@ -413,8 +416,9 @@ def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
-            stats = run_batch(drafter, target, lm_head_weight, batch, row_chunk=cfg.row_chunk, weights=weights,
-                              train=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
+                stats = run_batch(drafter, target, lm_head_weight, batch, row_chunk=cfg.row_chunk, weights=weights,
+                                  train=True)
             grad_norm = float(nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if cfg.grad_clip else float("nan")
             optimizer.step()
             step += 1
@@ -492,6 +496,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     for name in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip", "head_decay", "init_noise_std"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=fields[name].default)
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (GPU when present)")
+    parser.add_argument("--autocast", choices=("bf16",), default=None,
+                        help="bf16 mixed precision (fp32 weights and loss, bf16 matmuls): several times faster "
+                             "on GPUs and on CPUs with AMX or AVX512-BF16, slow on other CPUs")
     parser.add_argument("--no-progress", action="store_true")
     if known.config:
         defaults = json.loads(Path(known.config).read_text())
