@@ -47,8 +47,9 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--method", choices=["vanilla", "medusa", "clover"], default=None,
                    help="decoding method (default: the family of the heads in use, clover for the torch path; "
                         "vanilla for an engine without heads)")
-    p.add_argument("--drafter", type=Path, help="trained draft-head directory (config.json + model.safetensors); "
-                   "without it, clover uses untrained heads initialised from the target (lossless, little speed-up)")
+    p.add_argument("--drafter", help="trained draft-head directory (config.json + model.safetensors), "
+                   "'demo-clover' / 'demo-medusa' (the heads shipped for the demo target, the default there), or "
+                   "'untrained' (heads initialised from the target: lossless, little speed-up)")
     p.add_argument("--max-new-tokens", type=_positive, default=256, help="new tokens per prompt at most")
     p.add_argument("--tree-budget", type=int, default=4, help="draft tree nodes per step, not counting the root")
     p.add_argument("--tree-depth", type=int, default=None, help="draft depth (default: every head)")
@@ -71,11 +72,13 @@ def load_torch_engine(target_dir, drafter_dir, method: str, max_seq_len: int, ca
     """(engine, tokenizer) for the torch backend."""
     from clover.backends.torch import TorchEngine
     from clover.config import DrafterConfig
-    from clover.demo import resolve_target
+    from clover.demo import resolve_drafter, resolve_target
     from clover.drafters import Drafter, load_drafter
     from clover.target import load_target, load_tokenizer
 
     path = resolve_target(target_dir, cache_dir)
+    if method != "vanilla":  # the demo target's shipped heads unless --drafter says otherwise
+        drafter_dir = resolve_drafter(str(drafter_dir) if drafter_dir is not None else None, str(target_dir), method)
     target = load_target(path)
     tokenizer = load_tokenizer(path)
     drafter = None

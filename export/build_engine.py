@@ -26,8 +26,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target", default="demo",
                    help="Hugging Face checkpoint directory (config.json + safetensors), or 'demo' (default)")
     p.add_argument("--drafter", default=None,
-                   help="trained heads directory; 'none' for a vanilla-only engine; "
-                        "default: untrained Clover heads initialised from the target")
+                   help="trained heads directory; 'demo-clover' or 'demo-medusa' for the heads shipped with "
+                        "the demo target; 'none' for a vanilla-only engine; 'untrained' for untrained Clover heads "
+                        "initialised from the target; default: demo-clover on the demo target, else untrained")
     p.add_argument("--output", required=True, help="engine directory to create")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
                    help="onnxruntime (CPU) or tensorrt (NVIDIA GPU; also writes .plan files) (default: onnxruntime)")

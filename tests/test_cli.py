@@ -114,3 +114,22 @@ def test_stop_strings_cut_text_and_tokens(tiny_checkpoint):
         kept = result.token_ids
         assert full.token_ids[: len(kept)] == kept
         assert stop in tokenizer.decode(kept) and stop not in tokenizer.decode(kept[:-1])
+
+
+def test_resolve_drafter_prefers_shipped_heads_on_the_demo_target(monkeypatch, tmp_path):
+    from clover import demo
+
+    monkeypatch.setattr(demo, "SHIPPED_HEADS_DIR", tmp_path)
+    assert demo.resolve_drafter(None, "demo") is None  # nothing shipped: untrained heads
+    for method in ("clover", "medusa"):
+        (tmp_path / method).mkdir()
+        (tmp_path / method / "config.json").write_text("{}")
+    assert demo.resolve_drafter(None, "demo") == str(tmp_path / "clover")
+    assert demo.resolve_drafter(None, "demo", method="medusa") == str(tmp_path / "medusa")
+    assert demo.resolve_drafter("demo-medusa", "/some/checkpoint") == str(tmp_path / "medusa")
+    assert demo.resolve_drafter(None, "/some/checkpoint") is None
+    assert demo.resolve_drafter("untrained", "demo") is None
+    assert demo.resolve_drafter("none", "demo") == "none"
+    assert demo.resolve_drafter("runs/mine", "demo") == "runs/mine"
+    with pytest.raises(FileNotFoundError, match="demo-clover, demo-medusa"):
+        demo.resolve_drafter("demo-eagle", "demo")

