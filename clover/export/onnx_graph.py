@@ -168,17 +168,29 @@ class _AttentionInputs:
 
 
 def _standard_attention(g, shared: _AttentionInputs, q, k, v, past_k, past_v, cfg) -> str:
-    """q ``[B, T, Hq, D]``, k/v ``[B, Hkv, T, D]`` -> ``[B, T, Hq*D]`` (GQA: head h uses KV head h // G)."""
+    """q ``[B, T, Hq, D]``, k/v ``[B, Hkv, T, D]`` -> ``[B, T, Hq*D]`` (GQA: head h uses KV head h // G).
+
+    Cache and new tokens are scored apart and the scores joined: concatenating
+    the cache with the new K/V (and transposing the result) would copy every
+    cached key and value of every layer at each step, which costs more than
+    the attention itself at batch > 1 on CPU. MatMul(q, Transpose(K)) becomes
+    one transposed GEMM (onnxruntime fuses it), so the cache is read in place
+    after the one Slice to ``past_used``.
+    """
     group = cfg.num_heads // cfg.num_kv_heads
     zero, axis2 = g.const([0], np.int64), g.const([2], np.int64)
-    keys = g.op("Concat", g.op("Slice", past_k, zero, shared.past_used, axis2), k, axis=2)  # [B, Hkv, P+T, D]
-    values = g.op("Concat", g.op("Slice", past_v, zero, shared.past_used, axis2), v, axis=2)
+    cached_k = g.op("Slice", past_k, zero, shared.past_used, axis2)  # [B, Hkv, P, D]
+    cached_v = g.op("Slice", past_v, zero, shared.past_used, axis2)
     q = g.op("Reshape", q, g.const([0, 0, cfg.num_kv_heads, group, cfg.head_dim], np.int64))
     q = g.op("Transpose", q, perm=[0, 2, 3, 1, 4])  # [B, Hkv, G, T, D]
     q = g.op("Reshape", q, g.const([0, 0, -1, cfg.head_dim], np.int64))  # [B, Hkv, G*T, D]
     q = g.op("Mul", q, g.const(1.0 / math.sqrt(cfg.head_dim), g.np_dtype))
-    scores = g.op("Add", g.op("MatMul", q, g.op("Transpose", keys, perm=[0, 1, 3, 2])), shared.bias)
-    out = g.op("MatMul", g.op("Softmax", scores, axis=-1), values)  # [B, Hkv, G*T, D]
+    transposed = lambda t: g.op("Transpose", t, perm=[0, 1, 3, 2])  # noqa: E731
+    scores = g.op("Concat", g.op("MatMul", q, transposed(cached_k)), g.op("MatMul", q, transposed(k)), axis=3)
+    probs = g.op("Softmax", g.op("Add", scores, shared.bias), axis=-1)  # [B, Hkv, G*T, P+T]
+    axis3, end = g.const([3], np.int64), g.const([np.iinfo(np.int64).max], np.int64)
+    out = g.op("Add", g.op("MatMul", g.op("Slice", probs, zero, shared.past_used, axis3), cached_v),
+               g.op("MatMul", g.op("Slice", probs, shared.past_used, end, axis3), v))  # [B, Hkv, G*T, D]
     out = g.op("Reshape", out, g.const([0, 0, group, -1, cfg.head_dim], np.int64))
     out = g.op("Transpose", out, perm=[0, 3, 1, 2, 4])  # [B, T, Hkv, G, D]
     return g.op("Reshape", out, g.const([0, 0, -1], np.int64))
