@@ -118,13 +118,27 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _stale_demo_engine(engine_dir: Path) -> bool:
+    """True when the default demo engine is missing or was built with other heads than the shipped ones."""
+    from clover.config import ConfigError
+    from clover.demo import resolve_drafter
+    from clover.export.engine_dir import read_engine_meta
+
+    try:
+        meta = read_engine_meta(engine_dir)
+    except (ConfigError, FileNotFoundError):
+        return True
+    return meta.get("source", {}).get("drafter") != resolve_drafter(None, "demo")
+
+
 def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens: int = 96,
              startup_timeout_s: float = 600.0, out: TextIO = sys.stdout) -> int:
     """Build (if needed) and serve the demo engine, stream answers, compare with vanilla, stop."""
     from clover.client import GrpcClient, collect
 
     engine_dir = Path(engine) if engine is not None else default_engine_dir(_checkout_root())
-    if not (engine_dir / "engine.json").exists():
+    # the default engine is rebuilt when it predates the shipped heads
+    if not (engine_dir / "engine.json").exists() or (engine is None and _stale_demo_engine(engine_dir)):
         from clover.export.engine_dir import build_engine
 
         print(f"[clover] building the demo engine in {engine_dir} (once)", file=out, flush=True)
