@@ -111,9 +111,11 @@ def test_kv_cache_equals_vanilla_cache_after_acceptance():
         while min(len(decoder.result(i).token_ids) for i in ids) < 12:
             decoder.step()
         vanilla = SpeculativeDecoder(engine, "vanilla")
-        for row, seq_id in enumerate(ids):
-            tokens = prompts[row] + decoder.result(seq_id).token_ids
-            assert decoder.result(seq_id).token_ids[:12] == expected[row]
+        for i, seq_id in enumerate(ids):
+            tokens = prompts[i] + decoder.result(seq_id).token_ids
+            assert decoder.result(seq_id).token_ids[:12] == expected[i]
+            # cache rows follow the live sequences, not the submission order (prefill sorts by length)
+            row = [s.seq_id for s in decoder._running].index(seq_id)
             length = int(decoder.cache.lengths[row])
             assert length == len(tokens) - 1  # the newest token's K/V is written by the next step
             vanilla.submit(GenerationRequest(tokens[:length], max_new_tokens=1, stop_token_ids=()))
