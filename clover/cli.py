@@ -71,14 +71,13 @@ def add_generate_parser(subparsers) -> None:
 def load_torch_engine(target_dir, drafter_dir, method: str, max_seq_len: int, cache_dir=None, draft_top_k: int = 8):
     """(engine, tokenizer) for the torch backend."""
     from clover.backends.torch import TorchEngine
-    from clover.config import DrafterConfig
     from clover.demo import resolve_drafter, resolve_target
     from clover.drafters import Drafter, load_drafter
     from clover.target import load_target, load_tokenizer
 
     path = resolve_target(target_dir, cache_dir)
     if method != "vanilla":  # the demo target's shipped heads unless --drafter says otherwise
-        drafter_dir = resolve_drafter(str(drafter_dir) if drafter_dir is not None else None, str(target_dir), method)
+        drafter_dir = resolve_drafter(drafter_dir, str(target_dir), method)
     target = load_target(path)
     tokenizer = load_tokenizer(path)
     drafter = None
@@ -86,12 +85,9 @@ def load_torch_engine(target_dir, drafter_dir, method: str, max_seq_len: int, ca
         if drafter_dir is not None:
             drafter = load_drafter(drafter_dir, target)
         else:
-            print(f"[clover] no --drafter given: using untrained {method} heads (output is unchanged, "
+            print(f"[clover] using untrained {method} heads (output is unchanged, "
                   "speed-up needs trained heads)", file=sys.stderr)
-            cfg = target.config
-            drafter = Drafter.from_target(DrafterConfig(method=method, num_heads=3, hidden_size=cfg.hidden_size,
-                                                        vocab_size=cfg.vocab_size, target_num_layers=cfg.num_layers),
-                                          target).eval()
+            drafter = Drafter.untrained(target, method)
     return TorchEngine(target, drafter, max_seq_len=max_seq_len, draft_top_k=draft_top_k), tokenizer
 
 

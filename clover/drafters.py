@@ -120,6 +120,14 @@ class Drafter(nn.Module):
         return self.config.method == "medusa"
 
     @classmethod
+    def untrained(cls, target: LlamaTarget, method: str = "clover", num_heads: int = 3) -> "Drafter":
+        """Heads of ``method`` sized for ``target`` with the paper's initialisation (:meth:`from_target`), in eval mode."""
+        cfg = target.config
+        config = DrafterConfig(method=method, num_heads=num_heads, hidden_size=cfg.hidden_size,
+                               vocab_size=cfg.vocab_size, target_num_layers=cfg.num_layers)
+        return cls.from_target(config, target).eval()
+
+    @classmethod
     def from_target(cls, config: DrafterConfig, target: LlamaTarget, seed: int = 0) -> "Drafter":
         """The paper's initialisation on top of ``target``.
 

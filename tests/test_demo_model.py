@@ -5,7 +5,7 @@ import torch
 
 from clover.attention import causal_packed_mask
 from clover.backends.torch import TorchEngine
-from clover.config import DrafterConfig, TreeConfig
+from clover.config import TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.drafters import Drafter
 
@@ -51,9 +51,7 @@ def test_demo_logits_match_transformers(demo):
 
 def test_untrained_clover_equals_vanilla_greedy_on_chat_prompts(demo):
     _, target, tokenizer = demo
-    cfg = target.config
-    drafter = Drafter.from_target(DrafterConfig(method="clover", num_heads=3, hidden_size=cfg.hidden_size,
-                                                vocab_size=cfg.vocab_size, target_num_layers=cfg.num_layers), target)
+    drafter = Drafter.untrained(target, "clover", num_heads=3)
     engine = TorchEngine(target, drafter, max_seq_len=512)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                              return_dict=False) for p in PROMPTS]
@@ -109,10 +107,7 @@ def test_shipped_heads_are_small_fp16_for_this_target_and_lossless(demo, method)
         return sum(sum(r.stats.accepted_per_step) for r in results) / sum(r.stats.num_steps for r in results)
 
     # the training is what makes them speculate: heads initialised from the target accept far fewer tokens
-    cfg = target.config
-    untrained = Drafter.from_target(DrafterConfig(method=method, num_heads=drafter.config.num_heads,
-                                                  hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                                                  target_num_layers=cfg.num_layers), target).eval()
+    untrained = Drafter.untrained(target, method, drafter.config.num_heads)
     baseline = SpeculativeDecoder(TorchEngine(target, untrained, max_seq_len=512), method,
                                   TreeConfig(budget=4)).generate(requests)
     trained_rate, untrained_rate = accepted_per_step(fast), accepted_per_step(baseline)

@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 
 
 def _save_hf(tmp_path, model_type, **kwargs):
-    from safetensors.torch import save_file
 
     common = dict(vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
                   num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)

@@ -137,15 +137,12 @@ def make_feature_engine(output: str | Path, target_dir: str | Path, max_seq: int
 
     import torch
 
-    from clover.config import DrafterConfig
     from clover.drafters import Drafter, save_drafter
     from clover.export.engine_dir import build_engine
     from clover.target import load_target
 
     target = load_target(target_dir)
-    cfg = target.config
-    heads = Drafter.from_target(DrafterConfig(method="clover", num_heads=1, hidden_size=cfg.hidden_size,
-                                              vocab_size=cfg.vocab_size, target_num_layers=cfg.num_layers), target)
+    heads = Drafter.untrained(target, "clover", num_heads=1)
     with torch.no_grad():  # the Augmenting Block becomes x + 0 + 0
         heads.augment.self_attn.o_proj.weight.zero_()
         heads.augment.mlp.down_proj.weight.zero_()

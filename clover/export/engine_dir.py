@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from clover.config import ConfigError, DrafterConfig, TreeConfig, read_json_file
+from clover.config import ConfigError, TreeConfig, read_json_file
 from clover.engine import CONTRACT_VERSION
 
 ENGINE_FILE = "engine.json"
@@ -95,9 +95,7 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
             progress("no drafter: vanilla-only engine")
         elif drafter is None:
             progress("no --drafter: untrained Clover heads initialised from the target (lossless, little speed-up)")
-            heads = Drafter.from_target(DrafterConfig(method="clover", num_heads=num_heads, hidden_size=cfg.hidden_size,
-                                                      vocab_size=cfg.vocab_size, target_num_layers=cfg.num_layers),
-                                        model).eval()
+            heads = Drafter.untrained(model, "clover", num_heads)
         else:
             progress(f"heads: {drafter}")
             heads = load_drafter(drafter, model)
