@@ -56,7 +56,19 @@ PROMPTS = [
     "How do I read a CSV file with the csv module in Python?",
     "Describe a peaceful morning in a small fishing village.",
 ]
-SWEEPS = ("batch", "budget", "heads", "hf")
+SWEEPS = ("batch", "budget", "heads", "hf", "triton")
+# what each sweep reports per configuration (median and min–max over repeats)
+METRICS = {"batch": ("tokens_per_s", "tokens_per_step"),
+           "budget": ("tokens_per_s", "tokens_per_step"),
+           "heads": ("tokens_per_s", "tokens_per_step", "tree_depth"),
+           "hf": ("tokens_per_s", "tokens_per_step"),
+           "triton": ("tokens_per_s", "tokens_per_step", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
+METRIC_TITLES = {"tokens_per_s": "tokens/s", "tokens_per_step": "tokens/step",
+                 "tree_depth": "tree depth reached (mean deepest level per step)",
+                 "ttft_p50_ms": "time to first token p50 (ms)", "ttft_p99_ms": "time to first token p99 (ms)",
+                 "itl_p50_ms": "inter-token latency p50 (ms)", "itl_p99_ms": "inter-token latency p99 (ms)"}
+X_LABELS = {"batch": "batch size", "budget": "tree budget (draft nodes)", "heads": "heads used (tree depth)",
+            "hf": "batch", "triton": "concurrent streams"}
 
 
 @dataclasses.dataclass
@@ -75,19 +87,26 @@ class Config:
 # -- measuring ---------------------------------------------------------------
 
 
-def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, cost_model=None) -> dict:
-    """One timed generation of ``config.batch`` prompts at once (fixed length: no stop tokens)."""
+def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, cost_model=None,
+               first_prompt: int = 0) -> dict:
+    """One timed generation of ``config.batch`` prompts at once (fixed length: no stop tokens).
+
+    Sequence i gets ``prompts[(first_prompt + i) % len(prompts)]``; the caller rotates
+    ``first_prompt`` with the repeat, so small batches do not all measure one prompt.
+    """
     decoder = SpeculativeDecoder(engine, config.method, config.tree, max_batch_size=config.batch,
                                  cost_model=cost_model)
-    requests = [GenerationRequest(prompts[i % len(prompts)], max_new_tokens=max_new, stop_token_ids=())
-                for i in range(config.batch)]
+    requests = [GenerationRequest(prompts[(first_prompt + i) % len(prompts)], max_new_tokens=max_new,
+                                  stop_token_ids=()) for i in range(config.batch)]
     start = time.perf_counter()
     results = decoder.generate(requests)
     seconds = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in results)
     steps = sum(r.stats.num_steps for r in results)
+    deepest = sum(sum(r.stats.depth_tried) for r in results)  # depth_tried[d]: steps whose tree reached d+1
     sample = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-              "tokens_per_step": (tokens - len(results)) / steps if steps else 1.0}
+              "tokens_per_step": (tokens - len(results)) / steps if steps else 1.0,
+              "tree_depth": deepest / steps if steps else 0.0}
     if decoder.adaptive is not None:
         budgets = [b for _, b in decoder.adaptive.history]
         sample["budgets"] = {str(b): budgets.count(b) for b in sorted(set(budgets))}
@@ -107,6 +126,64 @@ def run_hf(model, prompt_ids: list[int], max_new: int, lookup: int | None) -> di
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tokens_per_step": None}
 
 
+class TritonSweep:
+    """A tritonserver with one model per measured method, all on the bench's engines.
+
+    ``models`` maps the figure's method label to its Triton model name.
+    """
+
+    def __init__(self, args, engines: dict, cost_model_stored: bool, workdir: Path, log) -> None:
+        from clover.serving.repository import write_repository
+        from clover.serving.server import TritonServer
+
+        clover_dir = str(engines["clover"].engine_dir)
+        models = {"vanilla": ("vanilla", {"engine_dir": clover_dir, "method": "vanilla"}),
+                  "clover": ("clover", {"engine_dir": clover_dir, "method": "clover", "tree_budget": str(args.budget)})}
+        if "medusa" in engines:
+            models["medusa"] = ("medusa", {"engine_dir": str(engines["medusa"].engine_dir), "method": "medusa",
+                                           "tree_budget": str(args.budget)})
+        if cost_model_stored:
+            models["adaptive-clover"] = ("clover_adaptive", {"engine_dir": clover_dir, "method": "clover",
+                                                             "adaptive": "true",
+                                                             "tree_budget": str(args.adaptive_max_budget)})
+        for _, params in models.values():
+            params["max_batch"] = str(max(args.concurrency))
+            if args.threads:
+                params["threads"] = str(args.threads)
+        self.models = {label: name for label, (name, _) in models.items()}
+        repo = write_repository(workdir / "model_repository", dict(models.values()), overwrite=True)
+        self.server = TritonServer(repo, 0, 0, 0, host="127.0.0.1", log_file=workdir / "tritonserver.log")
+        self.startup_timeout_s, self.log = args.triton_startup_timeout, log
+
+    def start(self) -> None:
+        """Started only when its sweep begins, so its processes sit in no other sweep's measurements."""
+        self.log(f"starting tritonserver with models {', '.join(self.models.values())} "
+                 f"(log: {self.server.log_file})")
+        self.server.start()
+        self.server.wait_ready(self.startup_timeout_s)
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def run_triton(triton: TritonSweep, config: Config, texts: list[str], repeat: int, max_new: int) -> dict:
+    """``config.x`` concurrent gRPC streams, 2 requests per stream, through the running server."""
+    from clover.client import GrpcClient, run_load
+
+    url, model = triton.server.grpc_url, triton.models[config.name]
+    rotated = texts[repeat % len(texts):] + texts[: repeat % len(texts)]
+    report = run_load(lambda: GrpcClient(url, model), rotated, config.x, num_requests=2 * config.x,
+                      max_tokens=max_new)
+    if report["errors"]:
+        raise RuntimeError(f"triton sweep, {config.name} at {config.x} streams: {report['errors']} requests "
+                           f"failed: {report['first_errors']}")
+    ttft, itl = report["time_to_first_token"], report["inter_token_latency"]
+    return {"tokens": report["output_tokens"], "seconds": report["wall_seconds"],
+            "tokens_per_s": report["output_tokens_per_second"], "tokens_per_step": report["tokens_per_step"] or None,
+            "ttft_p50_ms": ttft.get("p50_ms"), "ttft_p99_ms": ttft.get("p99_ms"),
+            "itl_p50_ms": itl.get("p50_ms"), "itl_p99_ms": itl.get("p99_ms")}
+
+
 def summarize(samples: list[dict], key: str) -> dict | None:
     values = [s[key] for s in samples if s.get(key) is not None]
     if not values:
@@ -117,7 +194,7 @@ def summarize(samples: list[dict], key: str) -> dict | None:
 # -- the run ------------------------------------------------------------------
 
 
-def build_configs(args, spec, has_medusa: bool) -> dict[str, list[Config]]:
+def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] = ()) -> dict[str, list[Config]]:
     heads = spec.num_draft_heads
     configs: dict[str, list[Config]] = {}
     if "batch" in args.sweeps:
@@ -149,6 +226,8 @@ def build_configs(args, spec, has_medusa: bool) -> dict[str, list[Config]]:
                          Config("hf", 1, "clover", "clover", 1, TreeConfig(budget=args.budget)),
                          Config("hf", 1, "hf-greedy", "hf-greedy", 1),
                          Config("hf", 1, "hf-prompt-lookup", "hf-prompt-lookup", 1)]
+    if "triton" in args.sweeps:
+        configs["triton"] = [Config("triton", c, label, label, c) for c in args.concurrency for label in triton_models]
     return configs
 
 
@@ -204,20 +283,47 @@ def run(args) -> dict:
             notes.append(f"transformers baseline skipped: the engine's target checkpoint {source!r} is not here.")
             args.sweeps = [s for s in args.sweeps if s != "hf"]
 
-    configs = build_configs(args, spec, "medusa" in engines)
+    triton = None
+    if "triton" in args.sweeps:
+        from clover.serving.server import ServerError, find_tritonserver
+
+        try:
+            find_tritonserver()
+        except ServerError as exc:
+            notes.append(f"Triton sweep skipped: {exc}")
+            args.sweeps = [s for s in args.sweeps if s != "triton"]
+        else:
+            if engines["clover"].cost_model is None:
+                notes.append("Triton sweep without adaptive clover: the engine has no stored cost model "
+                             "(build_engine --calibrate).")
+            triton = TritonSweep(args, engines, engines["clover"].cost_model is not None,
+                                 Path(args.output) / "triton", log)
+    try:
+        return _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, notes, log)
+    finally:
+        if triton is not None:
+            triton.close()
+
+
+def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, notes, log) -> dict:
+    configs = build_configs(args, engines["clover"].spec, "medusa" in engines,
+                            tuple(triton.models) if triton is not None else ())
 
     def measure(config: Config, repeat: int, max_new: int) -> dict:
         if config.method.startswith("hf-"):
             lookup = args.prompt_lookup if config.method == "hf-prompt-lookup" else None
             return run_hf(hf_model, prompts[repeat % len(prompts)], max_new, lookup)
-        batch_prompts = prompts if config.sweep != "hf" else [prompts[repeat % len(prompts)]]
+        if config.sweep == "triton":
+            return run_triton(triton, config, texts, repeat, max_new)
         model = cost_model if config.tree is not None and config.tree.adaptive else None
-        return run_decode(engines[config.engine], config, batch_prompts, max_new, model)
+        return run_decode(engines[config.engine], config, prompts, max_new, model, first_prompt=repeat)
 
     samples: list[dict] = []
     started = time.time()
     for sweep, rows in configs.items():
         log(f"sweep {sweep}: {len(rows)} configurations x {args.repeats} repeats (+ warm-up)")
+        if sweep == "triton":
+            triton.start()
         for config in rows:  # warm-up: sessions, allocations, first-call costs; not recorded
             measure(config, 0, min(4, args.max_new_tokens))
         for repeat in range(args.repeats):
@@ -232,18 +338,14 @@ def run(args) -> dict:
     for sweep, rows in configs.items():
         methods: dict[str, Any] = {}
         for config in rows:
-            entry = methods.setdefault(config.name, {"x": [], "tokens_per_s": [], "tokens_per_step": []})
+            entry = methods.setdefault(config.name, {"x": [], **{key: [] for key in METRICS[sweep]}})
             mine = [s for s in samples if s["sweep"] == sweep and s["x"] == config.x and s["method"] == config.name]
             entry["x"].append(config.x)
-            entry["tokens_per_s"].append(summarize(mine, "tokens_per_s"))
-            entry["tokens_per_step"].append(summarize(mine, "tokens_per_step"))
-        sweeps[sweep] = {"x_label": {"batch": "batch size", "budget": "tree budget (draft nodes)",
-                                     "heads": "heads used (tree depth)", "hf": "batch"}[sweep], "methods": methods}
-    notes += [
-        "Per-category extra tokens/step is not measured here: run training/evaluate.py --decode with trained heads.",
-        "The Triton sweep is not run here: start `clover serve` and use `clover client --concurrency N` "
-        "(clover.client.run_load).",
-    ]
+            for key in METRICS[sweep]:
+                entry[key].append(summarize(mine, key))
+        sweeps[sweep] = {"x_label": X_LABELS[sweep], "methods": methods}
+    notes.append("Per-category extra tokens/step is measured by training/evaluate.py with trained heads "
+                 "(docs/results/eval.md), not here.")
     return {
         "command": "python -m clover.bench " + " ".join(shlex.quote(a) for a in args.argv),
         "hardware": hardware(),
@@ -303,7 +405,8 @@ def markdown(report: dict) -> str:
     for sweep, data in report["sweeps"].items():
         methods = list(data["methods"])
         xs = sorted({x for m in data["methods"].values() for x in m["x"]})
-        for key, title, digits in (("tokens_per_s", "tokens/s", 1), ("tokens_per_step", "tokens/step", 2)):
+        for key in METRICS[sweep]:
+            title, digits = METRIC_TITLES[key], 1 if key == "tokens_per_s" or key.endswith("_ms") else 2
             lines += [f"## {sweep}: {title}", "", f"| {data['x_label']} | " + " | ".join(methods) + " |",
                       "|---|" + "---|" * len(methods)]
             for x in xs:
@@ -342,7 +445,8 @@ def plot(report: dict, output: Path) -> list[Path]:
 
     written = []
     for sweep, data in report["sweeps"].items():
-        keys = ["tokens_per_s"] if sweep in ("batch", "hf") else ["tokens_per_s", "tokens_per_step"]
+        keys = {"batch": ["tokens_per_s"], "hf": ["tokens_per_s"],
+                "triton": ["tokens_per_s", "ttft_p50_ms", "itl_p50_ms"]}.get(sweep, ["tokens_per_s", "tokens_per_step"])
         fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.5), squeeze=False)
         for ax, key in zip(axes[0], keys):
             for i, (name, entry) in enumerate(data["methods"].items()):
@@ -361,7 +465,7 @@ def plot(report: dict, output: Path) -> list[Path]:
             else:
                 ax.set_xscale("log", base=2)
                 ax.set_xlabel(data["x_label"])
-            ax.set_ylabel(key.replace("_per_", "/").replace("_", " "))
+            ax.set_ylabel(METRIC_TITLES[key])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         fig.suptitle(f"{sweep} sweep (median, min–max over {report['settings']['repeats']} repeats)")
@@ -405,6 +509,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per sequence (default 128; quick: 12)")
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS), help="distinct prompts used")
     p.add_argument("--prompt-lookup", type=int, default=5, help="prompt_lookup_num_tokens of the transformers baseline")
+    p.add_argument("--concurrency", type=_ints, default=None,
+                   help="triton sweep: concurrent gRPC streams (default 1,2,4,8,16,32; 2 requests per stream)")
+    p.add_argument("--triton-startup-timeout", type=float, default=600.0, help="seconds to wait for tritonserver")
     p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
     p.add_argument("--silent", action="store_true", help="no progress messages")
     args = p.parse_args(argv)
@@ -415,6 +522,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown sweeps {unknown}; choose from {', '.join(SWEEPS)}")
     quick = args.quick
     args.batch_sizes = args.batch_sizes or ([1, 2, 4] if quick else [1, 2, 4, 8, 16, 32])
+    args.concurrency = args.concurrency or ([1, 2] if quick else [1, 2, 4, 8, 16, 32])
     args.budgets = args.budgets or ([1, 4, 8] if quick else [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
     args.fixed_budgets = args.fixed_budgets if args.fixed_budgets is not None else ([] if quick else [1, 8])
     args.repeats = args.repeats or (2 if quick else 5)

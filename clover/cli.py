@@ -219,6 +219,9 @@ def add_serve_parser(subparsers) -> None:
                    help="decoding method; auto: the engine's heads if it has some, else vanilla")
     p.add_argument("--max-batch", type=int, default=0, help="sequences decoded together at most (0: the engine's limit)")
     p.add_argument("--tree-budget", type=int, default=None, help="draft tree nodes per step (default: the engine's)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="choose each step's tree budget (0 to --tree-budget) from the number of live sequences "
+                        "with the engine's cost model (build_engine --calibrate)")
     p.add_argument("--threads", type=int, default=0, help="engine CPU threads (0: the backend's default)")
     p.add_argument("--host", default="0.0.0.0", help="address the endpoints bind to")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: a free one)")
@@ -239,7 +242,7 @@ def cmd_serve(args) -> int:
     if args.demo:
         return run_demo(args.engine, max_tokens=args.max_tokens, startup_timeout_s=args.startup_timeout)
     return serve(args.engine, backend=args.backend, method=args.method, max_batch=args.max_batch,
-                 tree_budget=args.tree_budget, threads=args.threads, host=args.host, http_port=args.http_port,
+                 tree_budget=args.tree_budget, adaptive=args.adaptive, threads=args.threads, host=args.host, http_port=args.http_port,
                  grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_repository=args.model_repository,
                  startup_timeout_s=args.startup_timeout, log_file=args.log_file)
 

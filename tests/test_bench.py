@@ -1,4 +1,5 @@
-"""`python -m clover.bench --quick` on tiny engines: JSON, Markdown and PNGs with every method."""
+"""`python -m clover.bench --quick` on tiny engines: JSON, Markdown and PNGs with every method,
+and the Triton sweep through the real server."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
     clover, medusa = engines
     out = tmp_path / "report"
     assert bench_main(["--engine", str(clover), "--medusa-engine", str(medusa), "--output", str(out), "--quick",
-                       "--silent", "--max-new-tokens", "8", "--threads", "1"]) == 0
+                       "--sweeps", "batch,budget,heads,hf", "--silent", "--max-new-tokens", "8", "--threads", "1"]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert set(report["sweeps"]) == {"batch", "budget", "heads", "hf"}
     batch = report["sweeps"]["batch"]["methods"]
@@ -42,7 +43,9 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
         assert all(s["n"] == 2 and s["min"] <= s["median"] <= s["max"] and s["median"] > 0
                    for s in batch[name]["tokens_per_s"])
     assert report["sweeps"]["budget"]["methods"]["clover"]["x"] == [1, 4, 8]
-    assert report["sweeps"]["heads"]["methods"]["clover"]["x"] == [1, 2, 3]
+    heads = report["sweeps"]["heads"]["methods"]["clover"]
+    assert heads["x"] == [1, 2, 3]
+    assert all(1 <= s["median"] <= k for k, s in zip(heads["x"], heads["tree_depth"]))  # depth limit respected
     assert set(report["sweeps"]["hf"]["methods"]) == {"vanilla", "clover", "hf-greedy", "hf-prompt-lookup"}
     assert report["cost_model"]["target"]  # calibrated in the run: the engine had none
     # every comparison is interleaved: each repeat of a sweep measures all of its configurations
@@ -73,3 +76,34 @@ def test_bench_arguments():
         parse_args(["--engine", "e", "--sweeps", "nope"])
     with pytest.raises(SystemExit):
         parse_args(["--engine", "e", "--budgets", "a,b"])
+
+
+def test_triton_sweep_through_the_real_server(engines, tmp_path):
+    from clover.serving.server import ServerError, find_tritonserver
+
+    try:
+        find_tritonserver()
+    except ServerError as exc:
+        pytest.skip(f"no Triton server here: {exc}")
+    clover, medusa = engines
+    calibrated = build_engine(tmp_path / "calibrated", str(clover.parent / "ckpt"), None, max_seq=128, num_heads=3,
+                              calibrate=True, calibrate_max_tokens=16, **quiet)
+    out = tmp_path / "report"
+    assert bench_main(["--engine", str(calibrated), "--medusa-engine", str(medusa), "--output", str(out), "--quick",
+                       "--sweeps", "triton", "--silent", "--max-new-tokens", "6", "--threads", "1"]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    methods = report["sweeps"]["triton"]["methods"]
+    assert set(methods) == set(METHODS)
+    for entry in methods.values():
+        assert entry["x"] == [1, 2]
+        for key in ("tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms"):
+            assert all(s is not None and s["median"] > 0 for s in entry[key]), key
+    samples = [s for s in report["samples"] if s["sweep"] == "triton"]
+    assert len(samples) == 2 * 2 * len(METHODS)  # 2 repeats x 2 concurrencies x methods, interleaved
+    # greedy through the server is lossless: every method returns the same number of tokens for the same requests
+    for repeat in (0, 1):
+        for x in (1, 2):
+            counts = {s["tokens"] for s in samples if s["repeat"] == repeat and s["x"] == x}
+            assert len(counts) == 1, (repeat, x, counts)
+    assert "## triton: inter-token latency p50 (ms)" in (out / "bench.md").read_text()
+    assert (out / "triton.png").stat().st_size > 5000

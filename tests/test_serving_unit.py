@@ -523,6 +523,12 @@ def test_triton_model_load_errors_name_the_problem(tmp_path, tiny_engine_dir):
         CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, method="fast"))
     with pytest.raises(ConfigError, match="not an integer"):
         CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, max_batch="many"))
+    with pytest.raises(ConfigError, match="adaptive='maybe' is not a boolean"):
+        CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, adaptive="maybe"))
+    with pytest.raises(ConfigError, match="adaptive=true needs a cost model.*--calibrate"):  # built without one
+        CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, adaptive="true"))
+    with pytest.raises(ConfigError, match="adaptive=true needs draft heads"):
+        CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, adaptive="true", method="vanilla"))
 
 
 def test_default_engine_dir(monkeypatch, tmp_path):

@@ -43,8 +43,12 @@ class LoadedEngine:
 
 
 def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: str = "auto",
-                        max_batch: int = 0, tree_budget: int | None = None, threads: int = 0) -> LoadedEngine:
-    """Engine, tokenizer and decode settings for serving. Raises ConfigError naming the problem."""
+                        max_batch: int = 0, tree_budget: int | None = None, threads: int = 0,
+                        adaptive: bool = False) -> LoadedEngine:
+    """Engine, tokenizer and decode settings for serving. Raises ConfigError naming the problem.
+
+    ``adaptive`` picks each step's budget (up to ``tree_budget``) from the engine's cost model; an engine
+    without one (built without ``--calibrate``) is refused here rather than at the first request."""
     from clover.target import load_tokenizer
 
     threads = threads or None
@@ -91,6 +95,13 @@ def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: s
         method = "vanilla" if family is None else "medusa" if family == "medusa" else "clover"
     if tree_budget is not None:
         tree = dataclasses.replace(tree, budget=tree_budget)
+    if adaptive:
+        if method == "vanilla":
+            raise ConfigError("adaptive=true needs draft heads; this model decodes vanilla")
+        if getattr(engine, "cost_model", None) is None:
+            raise ConfigError(f"adaptive=true needs a cost model in {engine_dir}; rebuild the engine with "
+                              "python export/build_engine.py ... --calibrate")
+        tree = dataclasses.replace(tree, adaptive=True)
     max_batch = max_batch or limit_batch
     if max_batch < 1:
         raise ConfigError(f"model parameter max_batch must be >= 1, got {max_batch}")

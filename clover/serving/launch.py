@@ -68,7 +68,7 @@ class _SigtermAsInterrupt:
 
 
 def serve(engine: str | Path | None = None, *, backend: str = "auto", method: str = "auto", max_batch: int = 0,
-          tree_budget: int | None = None, threads: int = 0, host: str = "0.0.0.0", http_port: int = 8000,
+          tree_budget: int | None = None, adaptive: bool = False, threads: int = 0, host: str = "0.0.0.0", http_port: int = 8000,
           grpc_port: int = 8001, metrics_port: int = 8002, model_repository: str | Path | None = None,
           startup_timeout_s: float = 600.0, log_file: str | Path | None = None, out: TextIO = sys.stdout) -> int:
     """Serve until Ctrl-C (or SIGTERM); returns the exit code."""
@@ -84,6 +84,8 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                       "max_batch": str(max_batch), "threads": str(threads)}
             if tree_budget is not None:
                 params["tree_budget"] = str(tree_budget)
+            if adaptive:
+                params["adaptive"] = "true"
             repo = write_repository(workdir / "model_repository", {MODEL_NAME: params})
             what = f"engine {engine_dir}"
         with _SigtermAsInterrupt():

@@ -69,7 +69,11 @@ PARAMETERS = {
                         "a Hugging Face checkpoint directory or 'demo')"),
     "method": ("auto", "auto (clover when the engine has draft heads, else vanilla), clover, medusa or vanilla"),
     "max_batch": ("0", "sequences decoded together at most; 0: the engine's max_batch"),
-    "tree_budget": ("", "draft tree nodes per step (default: the engine's tree defaults)"),
+    "tree_budget": ("", "draft tree nodes per step (default: the engine's tree defaults); with adaptive, the "
+                        "largest budget a step may use"),
+    "adaptive": ("false", "true: choose each step's tree budget from the number of live sequences with the "
+                          "engine's calibrated cost model (build_engine --calibrate), 0 (a vanilla step) where "
+                          "speculation does not pay"),
     "threads": ("0", "CPU threads of the engine (0: the backend's default)"),
     "apply_chat_template": ("true", "default of the apply_chat_template input"),
 }

@@ -58,7 +58,7 @@ class CloverTritonModel:
         try:
             loaded = load_serving_engine(engine_dir, params["backend"] or "auto", params["method"] or "auto",
                                          _int_param(params, "max_batch", 0), _int_param(params, "tree_budget", None),
-                                         _int_param(params, "threads", 0))
+                                         _int_param(params, "threads", 0), _bool_param(params, "adaptive"))
         except ConfigError as exc:
             raise ConfigError(f"model {self.name}: cannot load the engine (parameter engine_dir={engine_dir}): "
                               f"{exc}") from None
