@@ -6,6 +6,7 @@ Examples::
     python export/build_engine.py --target demo --output engines/demo
     python export/build_engine.py --target path/to/hf-checkpoint --drafter path/to/heads --output engines/mine
     python export/build_engine.py --target demo --backend tensorrt --dtype fp16 --output engines/demo-trt
+    python export/build_engine.py --output engines/demo --recalibrate   # new cost model, no rebuild
 
 The directory is self-contained: ``clover generate --engine DIR`` needs nothing else.
 """
@@ -18,7 +19,7 @@ import sys
 from tqdm import tqdm
 
 from clover.config import ConfigError
-from clover.export.engine_dir import build_engine
+from clover.export.engine_dir import build_engine, recalibrate_engine_dir
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calibrate-max-tokens", type=int, default=None,
                    help="largest tokens in flight to time (default: max-batch * (1 + max-tree), at most 256)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="only measure and store a new cost model in the existing engine --output (cost models "
+                        "belong to a machine: rerun after moving an engine; run it on an otherwise idle machine)")
     return p.parse_args(argv)
 
 
@@ -64,6 +68,9 @@ def main(argv=None) -> int:
             bar.close()
 
     try:
+        if args.recalibrate:
+            recalibrate_engine_dir(args.output, args.calibrate_max_tokens)
+            return 0
         build_engine(args.output, args.target, args.drafter, backend=args.backend, dtype=args.dtype,
                      attention=args.attention, max_batch=args.max_batch, max_tree=args.max_tree, max_seq=args.max_seq,
                      draft_top_k=args.draft_top_k, num_heads=args.num_heads, cache_dir=args.cache_dir,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,3 +229,25 @@ def test_calibrated_onnx_engine(tmp_path):
     assert clover_main(["generate", "--engine", str(engine_dir), "--prompt", "hi", "--adaptive", "--tree-budget", "8",
                         "--max-new-tokens", "6", "--summary", str(summary)]) == 0
     assert json.loads(summary.read_text())["new_tokens"] == 6
+
+
+def test_recalibrate_stores_a_cost_model_without_rebuilding(tmp_path):
+    import importlib.util
+
+    from clover.export.engine_dir import build_engine, read_engine_meta
+    from tests.conftest import write_tiny_checkpoint
+
+    spec = importlib.util.spec_from_file_location("build_engine_cli", Path(__file__).parent.parent / "export" / "build_engine.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    engine_dir = build_engine(tmp_path / "engine", str(write_tiny_checkpoint(tmp_path / "ckpt")), None, max_seq=128,
+                              progress=lambda m: None)
+    before = read_engine_meta(engine_dir)
+    assert "cost_model" not in before
+    onnx_files = {p.name: p.stat().st_mtime_ns for p in engine_dir.glob("*.onnx")}
+    assert cli.main(["--output", str(engine_dir), "--recalibrate", "--calibrate-max-tokens", "64"]) == 0
+    after = read_engine_meta(engine_dir)
+    assert [p[0] for p in after["cost_model"]["target"]] == token_counts(64)
+    assert {k: v for k, v in after.items() if k != "cost_model"} == before
+    assert {p.name: p.stat().st_mtime_ns for p in engine_dir.glob("*.onnx")} == onnx_files  # nothing rebuilt
+    assert cli.main(["--output", str(tmp_path / "nowhere"), "--recalibrate"]) == 2

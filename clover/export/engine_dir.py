@@ -172,6 +172,22 @@ def calibrate_engine_dir(engine_dir: str | Path, max_tokens: int = 256, repeats:
     return calibrate(engine, max_tokens=max_tokens, repeats=repeats, source=source).to_dict()
 
 
+def recalibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None,
+                           progress: Callable[[str], None] = _default_progress) -> dict:
+    """Measure and store a new cost model in an existing engine (step times belong to a machine:
+    recalibrate after moving an engine, or once the machine is idle). Returns the cost model dict."""
+    engine_dir = Path(engine_dir)
+    meta = read_engine_meta(engine_dir)
+    limits = meta["limits"]
+    progress(f"calibrating the cost model of {engine_dir} (step time against tokens in flight)")
+    meta["cost_model"] = calibrate_engine_dir(engine_dir, max_tokens or min(256, limits["max_batch"] * (1 + limits["max_tree"])))
+    tmp = engine_dir / (ENGINE_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, engine_dir / ENGINE_FILE)  # an interrupted run leaves the old metadata intact
+    progress(f"cost model stored in {engine_dir / ENGINE_FILE}")
+    return meta["cost_model"]
+
+
 def engine_cost_model(meta: dict):
     """The :class:`~clover.adaptive.CostModel` stored in an engine's metadata, or None."""
     from clover.adaptive import CostModel
