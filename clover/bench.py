@@ -352,11 +352,30 @@ def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, no
         "settings": {k: v for k, v in vars(args).items() if k not in ("argv",)},
         "engines": {name: str(e.engine_dir) for name, e in engines.items()},
         "cost_model": cost_model.to_dict() if cost_model is not None else None,
+        "step_costs": step_costs(cost_model, args.batch_sizes, args.budget, engines["clover"].spec.num_draft_heads,
+                                 engines["clover"].spec.draft_top_k) if cost_model is not None else None,
         "sweeps": sweeps,
         "aims": aims(sweeps),
         "notes": notes,
         "samples": samples,
     }
+
+
+def step_costs(cost_model, batch_sizes: list[int], budget: int, depth: int, top_k: int) -> list[dict]:
+    """Where a speculative step's time goes, from the cost model (measured at calibration on this engine).
+
+    Per batch size B: one vanilla step (a target pass over B tokens), one speculative step at ``budget``
+    (a target pass over B(1+budget) tokens plus the draft steps), and their ratio: the tokens/step a
+    speculative step must reach just to match vanilla tokens/s.
+    """
+    rows = []
+    for batch in batch_sizes:
+        vanilla = cost_model.target_time(batch)
+        verify = cost_model.target_time(batch * (1 + budget))
+        draft = cost_model.draft_time(batch, budget, depth, top_k)
+        rows.append({"batch": batch, "vanilla_ms": 1000 * vanilla, "verify_ms": 1000 * verify,
+                     "draft_ms": 1000 * draft, "break_even_tokens_per_step": (verify + draft) / vanilla})
+    return rows
 
 
 def _median(sweeps, sweep, method, x) -> float | None:
@@ -427,6 +446,21 @@ def markdown(report: dict) -> str:
                     for b, n in s["budgets"].items():
                         counts[b] = counts.get(b, 0) + n
             lines.append(f"| {batch} | " + ", ".join(f"{b}: {n}" for b, n in sorted(counts.items(), key=lambda kv: int(kv[0]))) + " |")
+        lines.append("")
+    if report.get("step_costs"):
+        batch = report["sweeps"].get("batch", {}).get("methods", {}).get("clover")
+        lines += [f"## Step cost at tree budget {report['settings']['budget']} (from the engine's cost model)", "",
+                  "A speculative step pays only where its tokens/step exceed the break-even ratio "
+                  "(speculative step time / vanilla step time). The cost model was measured when the engine was "
+                  "calibrated, on this machine; tree building is an upper bound (it may stop early).", "",
+                  "| batch | vanilla step (ms) | verify pass (ms) | draft steps (ms) | break-even tokens/step "
+                  "| clover tokens/step (measured) |", "|---|---|---|---|---|---|"]
+        for row in report["step_costs"]:
+            measured = "–"
+            if batch and row["batch"] in batch["x"]:
+                measured = _cell(batch["tokens_per_step"][batch["x"].index(row["batch"])], 2)
+            lines.append(f"| {row['batch']} | {row['vanilla_ms']:.1f} | {row['verify_ms']:.1f} | {row['draft_ms']:.1f} "
+                         f"| {row['break_even_tokens_per_step']:.2f} | {measured} |")
         lines.append("")
     lines += ["## Aims", "", "| aim | measured | goal | met |", "|---|---|---|---|"]
     for aim in report["aims"]:

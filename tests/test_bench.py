@@ -48,6 +48,11 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
     assert all(1 <= s["median"] <= k for k, s in zip(heads["x"], heads["tree_depth"]))  # depth limit respected
     assert set(report["sweeps"]["hf"]["methods"]) == {"vanilla", "clover", "hf-greedy", "hf-prompt-lookup"}
     assert report["cost_model"]["target"]  # calibrated in the run: the engine had none
+    costs = report["step_costs"]
+    assert [c["batch"] for c in costs] == [1, 2, 4]
+    for c in costs:  # a tree pass never costs less than a vanilla pass (the model is monotone)
+        assert c["verify_ms"] >= c["vanilla_ms"] > 0 and c["draft_ms"] > 0
+        assert c["break_even_tokens_per_step"] == pytest.approx((c["verify_ms"] + c["draft_ms"]) / c["vanilla_ms"])
     # every comparison is interleaved: each repeat of a sweep measures all of its configurations
     for sweep in ("batch", "hf"):
         per_repeat = {}
@@ -61,7 +66,7 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
     md = (out / "bench.md").read_text()
     for name in METHODS + ["hf-greedy", "hf-prompt-lookup"]:
         assert f"| {name}" in md or f" {name} |" in md
-    assert "## Aims" in md and report["command"] in md
+    assert "## Aims" in md and report["command"] in md and "break-even tokens/step" in md
     for sweep in ("batch", "budget", "heads", "hf"):
         png = out / f"{sweep}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
