@@ -6,9 +6,9 @@ load hit all of them alike; the report gives the median and min–max):
 
 * ``batch``: tokens/s against batch size (1, 2, 4, 8, 16, 32) for vanilla,
   medusa (with ``--medusa-engine``), clover at the fixed budget ``--budget``,
-  clover at other fixed budgets (``--fixed-budgets``) and adaptive clover
+  clover at other fixed budgets (``--fixed-budgets``), adaptive clover
   (the budget chosen per step from the engine's cost model, calibrated here
-  when the engine has none).
+  when the engine has none) and any ``--extra-engine LABEL=DIR``.
 * ``budget``: tokens/step and tokens/s against tree budget (1..32) at batch
   ``--sweep-batch``.
 * ``heads``: tokens/step and tokens/s against the number of heads used (tree
@@ -21,10 +21,14 @@ Outputs in ``--output``: ``bench.json`` (every sample), ``bench.md`` (tables,
 ratios against the issue's aims, the hardware, the command) and one PNG per
 sweep. ``--quick`` runs small sweeps (a smoke test, not evidence).
 
-Not here: per-category extra tokens/step (``training/evaluate.py --decode``
-measures it with trained heads and the prompt data) and the Triton sweep
-(``clover client --concurrency N`` runs :func:`clover.client.run_load`
-against a running server).
+* ``triton``: the real Triton server (one model per method on these engines,
+  started for this sweep only), 1..32 concurrent gRPC streams
+  (``--concurrency``), 2 requests per stream: output tokens/s, time to first
+  token and inter-token latency p50/p99. Skipped with a note where no
+  ``tritonserver`` is found.
+
+Not here: per-category extra tokens/step (``training/evaluate.py`` measures it
+with trained heads and the prompt data).
 """
 
 from __future__ import annotations
@@ -194,7 +198,10 @@ def summarize(samples: list[dict], key: str) -> dict | None:
 # -- the run ------------------------------------------------------------------
 
 
-def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] = ()) -> dict[str, list[Config]]:
+def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] = (),
+                  extra_engines: dict[str, str] | None = None) -> dict[str, list[Config]]:
+    """The configurations of every sweep; ``extra_engines`` maps a label to its decode method."""
+    extra_engines = extra_engines or {}
     heads = spec.num_draft_heads
     configs: dict[str, list[Config]] = {}
     if "batch" in args.sweeps:
@@ -209,6 +216,8 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
                     rows.append(Config("batch", batch, f"clover-b{budget}", "clover", batch, TreeConfig(budget=budget)))
             rows.append(Config("batch", batch, "adaptive-clover", "clover", batch,
                                TreeConfig(budget=args.adaptive_max_budget, adaptive=True)))
+            for label, method in extra_engines.items():
+                rows.append(Config("batch", batch, label, method, batch, TreeConfig(budget=args.budget), label))
         configs["batch"] = rows
     if "budget" in args.sweeps:
         rows = []
@@ -258,6 +267,12 @@ def run(args) -> dict:
     engines = {"clover": OnnxRuntimeEngine(args.engine, threads=args.threads)}
     if args.medusa_engine:
         engines["medusa"] = OnnxRuntimeEngine(args.medusa_engine, threads=args.threads)
+    for label, directory in args.extra_engine:
+        if label in engines or label in ("vanilla", "adaptive-clover"):
+            raise ConfigError(f"--extra-engine {label}: the label is taken; choose another")
+        engines[label] = OnnxRuntimeEngine(directory, threads=args.threads)
+        if not engines[label].spec.num_draft_heads:
+            raise ConfigError(f"--extra-engine {label}={directory}: the engine has no draft heads")
     spec = engines["clover"].spec
     if not spec.num_draft_heads:
         raise ConfigError(f"{args.engine}: the engine has no draft heads; build it with a drafter")
@@ -306,8 +321,10 @@ def run(args) -> dict:
 
 
 def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, notes, log) -> dict:
+    extra = {label: "medusa" if engines[label].spec.drafter_method == "medusa" else "clover"
+             for label, _ in args.extra_engine}
     configs = build_configs(args, engines["clover"].spec, "medusa" in engines,
-                            tuple(triton.models) if triton is not None else ())
+                            tuple(triton.models) if triton is not None else (), extra)
 
     def measure(config: Config, repeat: int, max_new: int) -> dict:
         if config.method.startswith("hf-"):
@@ -524,11 +541,21 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _labelled(text: str) -> tuple[str, str]:
+    label, sep, directory = text.partition("=")
+    if not sep or not label or not directory:
+        raise argparse.ArgumentTypeError(f"expected LABEL=DIR, got {text!r}")
+    return label, directory
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m clover.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True, help="Clover engine directory (onnxruntime)")
     p.add_argument("--medusa-engine", help="Medusa engine directory on the same target (adds the medusa lines)")
+    p.add_argument("--extra-engine", action="append", type=_labelled, default=[], metavar="LABEL=DIR",
+                   help="another engine with heads (e.g. the same heads built another way): adds the line LABEL "
+                        "to the batch sweep at --budget (repeatable)")
     p.add_argument("--output", default="results/bench", help="directory for bench.json, bench.md and the PNGs")
     p.add_argument("--sweeps", default=",".join(SWEEPS), help=f"comma-separated subset of {','.join(SWEEPS)}")
     p.add_argument("--quick", action="store_true", help="small sweeps, 2 repeats, 12 new tokens (a smoke test)")

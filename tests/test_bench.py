@@ -33,11 +33,14 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
     clover, medusa = engines
     out = tmp_path / "report"
     assert bench_main(["--engine", str(clover), "--medusa-engine", str(medusa), "--output", str(out), "--quick",
-                       "--sweeps", "batch,budget,heads,hf", "--silent", "--max-new-tokens", "8", "--threads", "1"]) == 0
+                       "--sweeps", "batch,budget,heads,hf", "--extra-engine", f"medusa-again={medusa}",
+                       "--silent", "--max-new-tokens", "8", "--threads", "1"]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert set(report["sweeps"]) == {"batch", "budget", "heads", "hf"}
     batch = report["sweeps"]["batch"]["methods"]
-    assert set(batch) == set(METHODS)
+    assert set(batch) == set(METHODS) | {"medusa-again"}
+    # the same engine under two labels decodes the same tokens: equal tokens/step in every repeat
+    assert batch["medusa-again"]["tokens_per_step"] == batch["medusa"]["tokens_per_step"]
     for name in METHODS:
         assert batch[name]["x"] == [1, 2, 4]
         assert all(s["n"] == 2 and s["min"] <= s["median"] <= s["max"] and s["median"] > 0
@@ -81,6 +84,9 @@ def test_bench_arguments():
         parse_args(["--engine", "e", "--sweeps", "nope"])
     with pytest.raises(SystemExit):
         parse_args(["--engine", "e", "--budgets", "a,b"])
+    with pytest.raises(SystemExit):
+        parse_args(["--engine", "e", "--extra-engine", "no-label"])
+    assert parse_args(["--engine", "e", "--extra-engine", "q8=engines/x"]).extra_engine == [("q8", "engines/x")]
 
 
 def test_triton_sweep_through_the_real_server(engines, tmp_path):
