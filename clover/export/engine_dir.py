@@ -151,7 +151,7 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
         (tmp / ENGINE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if calibrate:
             progress("calibrating the cost model (step time against tokens in flight)")
-            meta["cost_model"] = calibrate_engine_dir(tmp, calibrate_max_tokens or min(256, max_batch * (1 + max_tree)))
+            meta["cost_model"] = calibrate_engine_dir(tmp, calibrate_max_tokens)
             (tmp / ENGINE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         progress("finalising")
         if output.exists():
@@ -164,13 +164,18 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
     return output
 
 
-def calibrate_engine_dir(engine_dir: str | Path, max_tokens: int = 256, repeats: int = 5) -> dict:
-    """Measure the cost model of the engine in ``engine_dir`` (its own backend); returns it as a dict."""
+def calibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None, repeats: int = 5) -> dict:
+    """Measure the cost model of the engine in ``engine_dir`` (its own backend); returns it as a dict.
+
+    ``max_tokens``: the most tokens in flight measured; default ``max_batch * (1 + max_tree)`` capped at 256.
+    """
     import platform
 
     from clover.adaptive import calibrate
 
     meta = json.loads((Path(engine_dir) / ENGINE_FILE).read_text())
+    limits = meta["limits"]
+    max_tokens = max_tokens or min(256, limits["max_batch"] * (1 + limits["max_tree"]))
     if meta.get("backend") == "tensorrt":
         from clover.backends.tensorrt import TensorRTEngine
 
@@ -189,9 +194,8 @@ def recalibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None
     recalibrate after moving an engine, or once the machine is idle). Returns the cost model dict."""
     engine_dir = Path(engine_dir)
     meta = read_engine_meta(engine_dir)
-    limits = meta["limits"]
     progress(f"calibrating the cost model of {engine_dir} (step time against tokens in flight)")
-    meta["cost_model"] = calibrate_engine_dir(engine_dir, max_tokens or min(256, limits["max_batch"] * (1 + limits["max_tree"])))
+    meta["cost_model"] = calibrate_engine_dir(engine_dir, max_tokens)
     tmp = engine_dir / (ENGINE_FILE + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, engine_dir / ENGINE_FILE)  # an interrupted run leaves the old metadata intact
