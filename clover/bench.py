@@ -136,7 +136,7 @@ class TritonSweep:
     ``models`` maps the figure's method label to its Triton model name.
     """
 
-    def __init__(self, args, engines: dict, cost_model_stored: bool, workdir: Path, log) -> None:
+    def __init__(self, args, engines: dict, workdir: Path, log) -> None:
         from clover.serving.repository import write_repository
         from clover.serving.server import TritonServer
 
@@ -146,7 +146,7 @@ class TritonSweep:
         if "medusa" in engines:
             models["medusa"] = ("medusa", {"engine_dir": str(engines["medusa"].engine_dir), "method": "medusa",
                                            "tree_budget": str(args.budget)})
-        if cost_model_stored:
+        if engines["clover"].cost_model is not None:  # the server's adaptive model needs a stored one
             models["adaptive-clover"] = ("clover_adaptive", {"engine_dir": clover_dir, "method": "clover",
                                                              "adaptive": "true",
                                                              "tree_budget": str(args.adaptive_max_budget)})
@@ -311,8 +311,7 @@ def run(args) -> dict:
             if engines["clover"].cost_model is None:
                 notes.append("Triton sweep without adaptive clover: the engine has no stored cost model "
                              "(build_engine --calibrate).")
-            triton = TritonSweep(args, engines, engines["clover"].cost_model is not None,
-                                 Path(args.output) / "triton", log)
+            triton = TritonSweep(args, engines, Path(args.output) / "triton", log)
     try:
         return _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, notes, log)
     finally:
