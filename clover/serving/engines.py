@@ -99,8 +99,9 @@ def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: s
         if method == "vanilla":
             raise ConfigError("adaptive=true needs draft heads; this model decodes vanilla")
         if getattr(engine, "cost_model", None) is None:
-            raise ConfigError(f"adaptive=true needs a cost model in {engine_dir}; rebuild the engine with "
-                              "python export/build_engine.py ... --calibrate")
+            raise ConfigError(f"adaptive=true needs a cost model in {engine_dir}; store one with "
+                              f"python export/build_engine.py --output {engine_dir} --recalibrate "
+                              "(or build with --calibrate)")
         tree = dataclasses.replace(tree, adaptive=True)
     max_batch = max_batch or limit_batch
     if max_batch < 1:
