@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from clover.config import ConfigError
-from clover.engine import DraftResult, TargetResult, cache_input_names, present_output_names
-from clover.export.engine_dir import engine_cost_model, engine_spec, read_engine_meta
+from clover.engine_contract import DraftResult, TargetResult, cache_input_names, present_output_names
+from clover.engine_dir import EngineMeta, engine_spec, read_engine_meta
 
 
 def _session(path: Path, threads: int | None):
@@ -35,21 +35,21 @@ def _session(path: Path, threads: int | None):
 class OnnxRuntimeEngine:
     """Runs ``target.onnx`` and ``draft_step.onnx`` of an engine directory."""
 
-    def __init__(self, engine_dir: str | Path, threads: int | None = None) -> None:
+    def __init__(self, engine_dir: str | Path, threads: int | None = None, meta: EngineMeta | None = None) -> None:
         self.engine_dir = Path(engine_dir)
-        meta = read_engine_meta(self.engine_dir)
-        if meta.get("attention") == "plugin":
+        meta = meta or read_engine_meta(self.engine_dir)
+        if meta.attention == "plugin":
             raise ConfigError(f"{engine_dir}: built with --attention plugin (TensorRT); onnxruntime needs "
                               "--attention standard")
         self.meta = meta
-        files = meta["files"]
+        files = meta.files
         for name in filter(None, (files.get("target"), files.get("draft_step"))):
             if not (self.engine_dir / name).exists():
                 raise ConfigError(f"{engine_dir}: {name} is missing; rebuild the engine")
         self.target_session = _session(self.engine_dir / files["target"], threads)
         self.draft_session = _session(self.engine_dir / files["draft_step"], threads) if files.get("draft_step") else None
         self.spec = engine_spec(meta)
-        self.cost_model = engine_cost_model(meta)  # None unless built with --calibrate
+        self.cost_model = meta.cost_model  # None unless calibrated
         num_kv = self.spec.num_kv_layers
         self._cache_names = cache_input_names(num_kv)
         self._present_names = present_output_names(num_kv)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from clover.config import ConfigError
-from clover.engine import DraftResult, TargetResult, cache_input_names, present_output_names
-from clover.export.engine_dir import engine_cost_model, engine_spec, read_engine_meta
+from clover.engine_contract import DraftResult, TargetResult, cache_input_names, present_output_names
+from clover.engine_dir import EngineMeta, engine_spec, read_engine_meta
 
 TENSORRT_MISSING = ("TensorRT is not installed (`import tensorrt` failed); the tensorrt backend needs an NVIDIA GPU "
                     "host with TensorRT 10 (pip install tensorrt) and the plugin built from trt_plugins/")
@@ -75,12 +75,13 @@ class _Plan:
 class TensorRTEngine:
     """The two contract callables on TensorRT plans of an engine directory."""
 
-    def __init__(self, engine_dir: str | Path) -> None:
+    def __init__(self, engine_dir: str | Path, meta: EngineMeta | None = None) -> None:
         trt = require_tensorrt()
         load_tree_attention_plugin()
         self.engine_dir = Path(engine_dir)
-        meta = read_engine_meta(self.engine_dir)
-        files = meta["files"]
+        meta = meta or read_engine_meta(self.engine_dir)
+        self.meta = meta
+        files = meta.files
         if not files.get("target_plan"):
             raise ConfigError(f"{engine_dir}: no TensorRT plans; build with --backend tensorrt")
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
@@ -88,7 +89,7 @@ class TensorRTEngine:
         self.draft_plan = _Plan(trt, runtime, self.engine_dir / files["draft_step_plan"]) if files.get("draft_step_plan") else None
         self.stream = torch.cuda.Stream()
         self.spec = engine_spec(meta, device="cuda")
-        self.cost_model = engine_cost_model(meta)  # None unless built with --calibrate
+        self.cost_model = meta.cost_model  # None unless calibrated
         num_kv = self.spec.num_kv_layers
         self._cache_names = cache_input_names(num_kv)
         self._present_names = present_output_names(num_kv)

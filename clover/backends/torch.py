@@ -7,12 +7,17 @@ exporter traces.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from clover.drafters import Drafter
-from clover.engine import DraftResult, EngineSpec, TargetResult
+from clover.engine_contract import DraftResult, EngineSpec, TargetResult
 from clover.target import LlamaTarget
+
+logger = logging.getLogger(__name__)
 
 
 class TargetStep(nn.Module):
@@ -28,7 +33,7 @@ class TargetStep(nn.Module):
         return self.target.config.num_layers + (self.augment is not None)
 
     def forward(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
-        """Shapes as in :meth:`clover.engine.Engine.target`."""
+        """Shapes as in :meth:`clover.engine_contract.Engine.target`."""
         num_layers = self.target.config.num_layers
         out = self.target(input_ids, position_ids, past_lengths, packed_mask, k_cache[:num_layers], v_cache[:num_layers])
         present_keys, present_values = out.present_keys, out.present_values
@@ -65,6 +70,7 @@ class TorchEngine:
     def __init__(self, target: LlamaTarget, drafter: Drafter | None = None, max_seq_len: int = 2048,
                  draft_top_k: int = 8) -> None:
         cfg = target.config
+        self.checkpoint_dir: Path | None = None  # set by from_checkpoint
         self.target_step = TargetStep(target, drafter).eval()
         self.draft = DraftStep(target, drafter, draft_top_k).eval() if drafter is not None else None
         self.spec = EngineSpec(
@@ -79,6 +85,36 @@ class TorchEngine:
             drafter_method=drafter.config.method if drafter is not None else None,
             dtype=target.lm_head.weight.dtype,
         )
+
+    @classmethod
+    def from_checkpoint(cls, target: str | Path | None = "demo", drafter: str | None = None, method: str = "clover",
+                        max_seq_len: int = 2048, cache_dir: str | Path | None = None,
+                        draft_top_k: int = 8) -> "TorchEngine":
+        """The engine of a Hugging Face checkpoint (``demo``: the embedded one) and its heads.
+
+        ``drafter`` as :func:`clover.demo.resolve_drafter` reads it: None on the demo target means its shipped
+        heads of ``method``'s family; no heads found means untrained ones (lossless, little speed-up).
+        ``method="vanilla"`` loads no heads. The checkpoint directory is kept as ``checkpoint_dir``
+        (its tokenizer: :func:`clover.target.load_tokenizer`).
+        """
+        from clover.demo import resolve_drafter, resolve_target
+        from clover.drafters import load_drafter
+        from clover.target import load_target
+
+        path = resolve_target(None if target is None else str(target), cache_dir)
+        model = load_target(path)
+        heads = None
+        if method != "vanilla":
+            drafter_dir = resolve_drafter(drafter, None if target is None else str(target), method)
+            if drafter_dir is not None:
+                heads = load_drafter(drafter_dir, model)
+            else:
+                logger.warning("using untrained %s heads (output is unchanged, speed-up needs trained heads)",
+                               method)
+                heads = Drafter.untrained(model, method)
+        engine = cls(model, heads, max_seq_len=max_seq_len, draft_top_k=draft_top_k)
+        engine.checkpoint_dir = Path(path)
+        return engine
 
     @torch.inference_mode()
     def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:

@@ -14,6 +14,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from clover.config import decoding_method
+
 CONTRACT_VERSION = 1
 
 TARGET_INPUTS = ("input_ids", "position_ids", "past_lengths", "spec_decoding_packed_mask")
@@ -52,6 +54,11 @@ class EngineSpec:
     drafter_method: str | None = None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"  # where the KV cache lives (the engine reads it there)
+
+    @property
+    def default_method(self) -> str:
+        """The decoding method this engine's heads run (``vanilla`` when it has none)."""
+        return decoding_method(self.drafter_method)
 
 
 class TargetResult(NamedTuple):

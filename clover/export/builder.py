@@ -1,0 +1,261 @@
+"""Build a self-contained engine directory (docs/engine-contract.md#engine-directory).
+
+Layout::
+
+    ENGINE_DIR/
+      engine.json                  contract version, tensor table, configs, tree defaults, dtype, limits
+      target.onnx(.data)           target + Augmenting Block
+      draft_step.onnx(.data)       one regressive draft step (absent for a vanilla-only engine)
+      target.plan, draft_step.plan TensorRT plans (--backend tensorrt only)
+      tokenizer files
+
+This module only writes engines; :mod:`clover.engine_dir` reads them. The build writes into a temporary
+sibling directory and renames it at the end (:func:`atomic_directory`), so a failed or interrupted build
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+from clover.config import ConfigError, TreeConfig
+from clover.engine_dir import BACKENDS, TORCH_DTYPES, EngineLimits, EngineMeta, read_engine_meta
+
+
+def _default_progress(message: str) -> None:
+    print(f"[build_engine] {message}", flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """How to compile an engine; see :func:`build_engine` for each field."""
+
+    backend: str = "onnxruntime"
+    dtype: str = "fp32"
+    attention: str | None = None
+    max_batch: int = 32
+    max_tree: int = 32
+    max_seq: int = 2048
+    draft_top_k: int = 8
+    num_heads: int = 3
+    draft_int8: bool = False
+
+    def validated(self) -> "BuildOptions":
+        """These options with the attention default filled in; ConfigError for an impossible combination."""
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {self.backend!r}; choose {' or '.join(BACKENDS)}")
+        if self.dtype not in TORCH_DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose {', '.join(TORCH_DTYPES)}")
+        if self.draft_int8 and (self.backend != "onnxruntime" or self.dtype != "fp32"):
+            raise ConfigError("draft_int8 (int8 draft-step weights) is for onnxruntime fp32 engines")
+        attention = self.attention or ("plugin" if self.backend == "tensorrt" else "standard")
+        return dataclasses.replace(self, attention=attention)
+
+
+@contextlib.contextmanager
+def atomic_directory(output: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yields a temporary sibling of ``output`` that replaces ``output`` only if the block completes.
+
+    On any error (or Ctrl-C) the temporary directory is removed and ``output`` is left as it was.
+    """
+    output = Path(output)
+    if output.exists() and not overwrite:
+        raise ConfigError(f"{output} already exists; pass --overwrite to replace it")
+    parent = output.parent if str(output.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.building-", dir=parent))
+    except OSError as exc:
+        raise ConfigError(f"cannot write to {output}: {exc.strerror or exc}") from exc
+    try:
+        yield tmp
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@dataclasses.dataclass
+class _LoadedModels:
+    target_dir: Path
+    model: object  # clover.target.LlamaTarget
+    tokenizer: object
+    heads: object | None  # clover.drafters.Drafter; None for a vanilla-only engine
+    drafter_source: str | None
+
+
+def _load_models(target: str | None, drafter: str | None, options: BuildOptions, cache_dir: str | None,
+                 progress: Callable[[str], None]) -> _LoadedModels:
+    """Target, tokenizer and heads, in the engine's dtype. ``drafter`` as in :func:`build_engine`."""
+    from clover.demo import resolve_drafter, resolve_target
+    from clover.drafters import Drafter, load_drafter
+    from clover.target import load_target, load_tokenizer
+
+    progress("loading the target")
+    target_dir = resolve_target(target, cache_dir)
+    model, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
+    drafter = resolve_drafter(drafter, target)
+    heads = None
+    if drafter == "none":
+        progress("no drafter: vanilla-only engine")
+    elif drafter is None:
+        progress("no --drafter: untrained Clover heads initialised from the target (lossless, little speed-up)")
+        heads = Drafter.untrained(model, "clover", options.num_heads)
+    else:
+        progress(f"heads: {drafter}")
+        heads = load_drafter(drafter, model)
+    source = str(drafter) if drafter not in (None, "none") else drafter
+    return _LoadedModels(target_dir, model, tokenizer, heads, source)
+
+
+def _export_graphs(out: Path, models: _LoadedModels, options: BuildOptions, progress: Callable[[str], None],
+                   on_layer: Callable[[int, int], None] | None) -> tuple[dict, dict | None]:
+    """Write target.onnx (and draft_step.onnx); returns the tensor table and the draft quantization."""
+    from clover.export.onnx_graph import export_draft_step, export_target
+
+    model, heads = models.model, models.heads
+    torch_dtype = TORCH_DTYPES[options.dtype]
+    model.to(torch_dtype)
+    if heads is not None:
+        heads.to(torch_dtype)
+    progress(f"writing target.onnx ({options.attention} attention, {options.dtype})")
+    tensors = {"target": export_target(model, heads, out / "target.onnx", options.dtype, options.attention,
+                                       on_layer, max_positions=_max_seq(options, model)),
+               "draft_step": None}
+    quantization = None
+    if heads is not None:
+        progress("writing draft_step.onnx")
+        tensors["draft_step"] = export_draft_step(model, heads, out / "draft_step.onnx", options.draft_top_k,
+                                                  options.dtype)
+        if options.draft_int8:
+            from clover.export.quantize import quantize_draft_step
+
+            progress("quantizing the draft step's weights to int8")
+            quantization = quantize_draft_step(out / "draft_step.onnx")
+    return tensors, quantization
+
+
+def _max_seq(options: BuildOptions, model) -> int:
+    return min(options.max_seq, model.config.max_position_embeddings)
+
+
+def _num_kv_layers(models: _LoadedModels) -> int:
+    """The target's layers, plus one for an Augmenting Block (it keeps its own KV cache)."""
+    heads = models.heads
+    return models.model.config.num_layers + int(heads is not None and heads.augment is not None)
+
+
+def _build_plans(out: Path, models: _LoadedModels, options: BuildOptions) -> dict[str, str]:
+    """TensorRT plans beside the ONNX graphs; returns their file roles."""
+    from clover.export.tensorrt_build import build_plans
+
+    cfg = models.model.config
+    return build_plans(out, dtype=options.dtype, max_batch=options.max_batch, max_tree=options.max_tree,
+                       max_seq=options.max_seq, has_draft=models.heads is not None, hidden_size=cfg.hidden_size,
+                       num_kv_layers=_num_kv_layers(models), num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+
+
+def _engine_meta(models: _LoadedModels, options: BuildOptions, files: dict, tensors: dict,
+                 quantization: dict | None) -> EngineMeta:
+    import torch
+
+    from clover.target import target_fingerprint
+
+    model, heads = models.model, models.heads
+    return EngineMeta(
+        backend=options.backend, dtype=options.dtype, attention=options.attention, files=files, tensors=tensors,
+        num_kv_layers=_num_kv_layers(models),
+        limits=EngineLimits(options.max_batch, options.max_tree, _max_seq(options, model)),
+        target_config=model.config,
+        target_fingerprint=target_fingerprint(model.to(torch.float32)),
+        drafter_config=heads.config if heads is not None else None,
+        draft_top_k=options.draft_top_k, draft_quantization=quantization, tree_defaults=TreeConfig(),
+        source={"target": str(models.target_dir), "drafter": models.drafter_source},
+    )
+
+
+def build_engine(output: str | Path, target: str | None = "demo", drafter: str | None = None, *,
+                 cache_dir: str | None = None, overwrite: bool = False, calibrate: bool = False,
+                 calibrate_max_tokens: int | None = None, progress: Callable[[str], None] = _default_progress,
+                 on_layer: Callable[[int, int], None] | None = None, **build_options) -> Path:
+    """Compile target (+ Augmenting Block) and draft step into ``output``.
+
+    Args:
+        target: Hugging Face checkpoint directory, or ``demo``.
+        drafter: trained heads directory; ``demo-clover`` / ``demo-medusa`` the
+            heads shipped for the demo target; ``None``: the shipped Clover heads
+            on the demo target, else untrained Clover heads initialised from the
+            target (``"untrained"`` forces those); ``"none"``: a vanilla-only engine.
+        build_options: the fields of :class:`BuildOptions`:
+            ``backend`` (``onnxruntime``, or ``tensorrt``, which also writes TensorRT plans);
+            ``dtype`` (``fp32``/``fp16``); ``attention`` (``standard`` ONNX ops or ``plugin``
+            ``clover.TreeAttention`` nodes; default standard for onnxruntime, plugin for tensorrt);
+            ``max_batch``, ``max_tree``, ``max_seq`` (limits); ``draft_top_k``; ``num_heads`` (untrained
+            heads only); ``draft_int8`` (int8 weights for the draft step's MatMuls,
+            :mod:`clover.export.quantize`; onnxruntime fp32 only; the target is untouched, so decoding
+            stays lossless).
+        calibrate: time the built engine's ``target`` and ``draft_step`` for several token counts (up to
+            ``calibrate_max_tokens``, default ``max_batch * (1 + max_tree)`` capped at 256) and store the
+            cost model in ``engine.json`` (adaptive trees use it; :mod:`clover.adaptive`).
+        progress: receives a message at the start of each build step.
+        on_layer: ``(done, total)`` after each exported target layer (a progress bar).
+    """
+    options = BuildOptions(**build_options).validated()
+    if options.backend == "tensorrt":
+        from clover.backends.tensorrt import require_tensorrt  # fail before minutes of export
+
+        require_tensorrt()
+    with atomic_directory(output, overwrite) as tmp:
+        models = _load_models(target, drafter, options, cache_dir, progress)
+        tensors, quantization = _export_graphs(tmp, models, options, progress, on_layer)
+        models.tokenizer.save_pretrained(str(tmp))
+        files = {"target": "target.onnx", "draft_step": "draft_step.onnx" if models.heads is not None else None}
+        if options.backend == "tensorrt":
+            progress("building TensorRT plans (minutes)")
+            files.update(_build_plans(tmp, models, options))
+        meta = _engine_meta(models, options, files, tensors, quantization)
+        meta.write(tmp)
+        if calibrate:
+            progress("calibrating the cost model (step time against tokens in flight)")
+            meta.cost_model = calibrate_engine_dir(tmp, calibrate_max_tokens)
+            meta.write(tmp)
+        progress("finalising")
+    progress(f"engine written to {output}")
+    return Path(output)
+
+
+def calibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None, repeats: int = 5):
+    """Measure the :class:`~clover.adaptive.CostModel` of the engine in ``engine_dir`` on its own backend.
+
+    ``max_tokens``: the most tokens in flight measured; default ``max_batch * (1 + max_tree)`` capped at 256.
+    """
+    from clover.adaptive import calibrate
+    from clover.backends import load_engine
+
+    engine = load_engine(engine_dir)
+    meta, limits = engine.meta, engine.meta.limits
+    max_tokens = max_tokens or min(256, limits.max_batch * (1 + limits.max_tree))
+    source = f"{meta.backend} {meta.dtype} on {platform.machine()} {platform.processor() or ''}".strip()
+    return calibrate(engine, max_tokens=max_tokens, repeats=repeats, source=source)
+
+
+def recalibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None,
+                           progress: Callable[[str], None] = _default_progress):
+    """Measure and store a new cost model in an existing engine (step times belong to a machine:
+    recalibrate after moving an engine, or once the machine is idle). Returns the cost model."""
+    engine_dir = Path(engine_dir)
+    meta = read_engine_meta(engine_dir)
+    progress(f"calibrating the cost model of {engine_dir} (step time against tokens in flight)")
+    meta.cost_model = calibrate_engine_dir(engine_dir, max_tokens)
+    meta.write(engine_dir)  # atomic: an interrupted run leaves the old metadata intact
+    progress(f"cost model stored in {engine_dir / 'engine.json'}")
+    return meta.cost_model

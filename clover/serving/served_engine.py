@@ -1,0 +1,106 @@
+"""Load the engine a served model runs, from its model-config parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from clover.config import ConfigError, TreeConfig
+
+DEFAULT_ENGINE_SUBDIR = Path("engines") / "demo"
+TORCH_MAX_BATCH = 16  # the torch path has no built-in limit; this keeps a CPU server responsive
+
+
+def default_engine_dir(repository_parent: str | Path | None = None) -> Path:
+    """``$CLOVER_ENGINE_DIR``, else ``engines/demo`` in ``repository_parent`` (default: the current directory)."""
+    env = os.environ.get("CLOVER_ENGINE_DIR")
+    if env:
+        return Path(env)
+    return Path(repository_parent or ".") / DEFAULT_ENGINE_SUBDIR
+
+
+def resolve_engine_dir(value: str, repository_parent: str | Path | None = None) -> Path:
+    """The ``engine_dir`` parameter as a path: empty means :func:`default_engine_dir`; relative paths
+    are taken from ``repository_parent`` (the directory that holds the model repository)."""
+    if not value:
+        return default_engine_dir(repository_parent)
+    if value == "demo":
+        return Path(value)
+    path = Path(os.path.expanduser(value))
+    if not path.is_absolute() and repository_parent is not None:
+        path = Path(repository_parent) / path
+    return path
+
+
+@dataclasses.dataclass
+class LoadedEngine:
+    engine: object
+    tokenizer: object
+    method: str
+    tree: TreeConfig
+    max_batch: int
+    description: str
+
+
+METHODS = ("auto", "vanilla", "clover", "medusa")
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
+
+
+def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: str = "auto",
+                        max_batch: int = 0, tree_budget: int | None = None, threads: int = 0,
+                        adaptive: bool = False) -> LoadedEngine:
+    """Engine, tokenizer and decode settings for serving. Raises ConfigError naming the problem.
+
+    ``engine_dir`` is a built engine directory, or with ``backend="torch"`` a checkpoint directory (or
+    ``demo``). ``adaptive`` picks each step's budget (up to ``tree_budget``) from the engine's cost model;
+    an engine without one is refused here rather than at the first request."""
+    if method not in METHODS:
+        raise ConfigError(f"model parameter method={method!r}: choose {', '.join(METHODS)}")
+    if backend not in BACKENDS:
+        raise ConfigError(f"model parameter backend={backend!r}: choose {', '.join(BACKENDS)}")
+    if backend == "torch":
+        loaded = _load_torch(Path(engine_dir), method)
+    else:
+        loaded = _load_built(Path(engine_dir), backend, threads or None)
+    if method == "auto":
+        method = loaded.engine.spec.default_method
+    tree = loaded.tree
+    if tree_budget is not None:
+        tree = dataclasses.replace(tree, budget=tree_budget)
+    if adaptive:
+        _check_adaptive(loaded.engine, method, engine_dir)
+        tree = dataclasses.replace(tree, adaptive=True)
+    max_batch = max_batch or loaded.max_batch
+    if max_batch < 1:
+        raise ConfigError(f"model parameter max_batch must be >= 1, got {max_batch}")
+    return dataclasses.replace(loaded, method=method, tree=tree, max_batch=max_batch)
+
+
+def _load_torch(checkpoint_dir: Path, method: str) -> LoadedEngine:
+    from clover.backends.torch import TorchEngine
+    from clover.target import load_tokenizer
+
+    chosen = "clover" if method == "auto" else method
+    engine = TorchEngine.from_checkpoint(str(checkpoint_dir), None, chosen, max_seq_len=2048)
+    return LoadedEngine(engine, load_tokenizer(engine.checkpoint_dir), chosen, TreeConfig(), TORCH_MAX_BATCH,
+                        f"torch engine on {checkpoint_dir}")
+
+
+def _load_built(engine_dir: Path, backend: str, threads: int | None) -> LoadedEngine:
+    from clover.backends import load_engine
+    from clover.target import load_tokenizer
+
+    engine = load_engine(engine_dir, backend, threads=threads)
+    meta = engine.meta
+    return LoadedEngine(engine, load_tokenizer(engine_dir), engine.spec.default_method, meta.tree_defaults,
+                        meta.limits.max_batch, f"{meta.backend} engine {engine_dir}")
+
+
+def _check_adaptive(engine, method: str, engine_dir) -> None:
+    if method == "vanilla":
+        raise ConfigError("adaptive=true needs draft heads; this model decodes vanilla")
+    if getattr(engine, "cost_model", None) is None:
+        raise ConfigError(f"adaptive=true needs a cost model in {engine_dir}; store one with "
+                          f"python export/build_engine.py --output {engine_dir} --recalibrate "
+                          "(or build with --calibrate)")
