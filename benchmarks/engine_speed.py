@@ -39,7 +39,7 @@ def read_bandwidth_gbs(size_mb: int = 1024, repeats: int = 5) -> float:
 
 def decode_tokens_per_second(engine, tokenizer, new_tokens: int) -> tuple[float, float]:
     """(tokens/s including the prompt pass, steady-state seconds per decode step after it)."""
-    from clover.cli import encode_prompt
+    from clover.prompts import encode_prompt
     from clover.decode import GenerationRequest, SpeculativeDecoder
 
     ids = encode_prompt(tokenizer, PROMPT)
@@ -56,7 +56,7 @@ def decode_tokens_per_second(engine, tokenizer, new_tokens: int) -> tuple[float,
 
 
 def hf_tokens_per_second(model, tokenizer, new_tokens: int) -> float:
-    from clover.cli import encode_prompt
+    from clover.prompts import encode_prompt
 
     ids = torch.tensor([encode_prompt(tokenizer, PROMPT)])
     with torch.inference_mode():
@@ -101,7 +101,7 @@ def main() -> None:
     from clover.backends.onnxruntime import OnnxRuntimeEngine
     from clover.backends.torch import TorchEngine
     from clover.demo import demo_checkpoint
-    from clover.export.engine_dir import build_engine
+    from clover.export.builder import build_engine
     from clover.target import load_target, load_tokenizer
 
     checkpoint = demo_checkpoint()

@@ -1,7 +1,7 @@
 """Adaptive speculation: pick the tree budget per decode step from a measured cost model.
 
 Speculation pays while verifying a tree costs about as much as one vanilla
-step (the memory-bound part of the roofline, DESIGN §6). With many live
+step (the memory-bound part of the roofline, docs/results/README.md#cpu-roofline). With many live
 sequences the target pass becomes compute-bound and a tree of ``b`` draft
 nodes per sequence costs up to ``1 + b`` times a vanilla step, so the best
 budget shrinks with the batch, down to 0 (vanilla: no draft steps at all).

@@ -1,4 +1,4 @@
-"""TreeAttention reference op and the packed-mask format (DESIGN §3, §2).
+"""TreeAttention reference op and the packed-mask format (docs/engine-contract.md#treeattention and #packed-mask).
 
 This module is the single definition of the tree-attention semantics. The ONNX
 export, the CUDA kernel in ``trt_plugins/`` and every test compare against

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from clover.stats import tokens_per_step
 from clover.config import ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 
@@ -109,7 +110,8 @@ def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, c
     steps = sum(r.stats.num_steps for r in results)
     deepest = sum(sum(r.stats.depth_tried) for r in results)  # depth_tried[d]: steps whose tree reached d+1
     sample = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-              "tokens_per_step": (tokens - len(results)) / steps if steps else 1.0,
+              # no decode step at all (one token per prompt): reported as vanilla's 1 token per step
+              "tokens_per_step": tokens_per_step(tokens, steps, len(results)) if steps else 1.0,
               "tree_depth": deepest / steps if steps else 0.0}
     if decoder.adaptive is not None:
         budgets = [b for _, b in decoder.adaptive.history]
@@ -209,30 +211,30 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
         for batch in args.batch_sizes:
             rows.append(Config("batch", batch, "vanilla", "vanilla", batch))
             if has_medusa:
-                rows.append(Config("batch", batch, "medusa", "medusa", batch, TreeConfig(budget=args.budget), "medusa"))
-            rows.append(Config("batch", batch, "clover", "clover", batch, TreeConfig(budget=args.budget)))
+                rows.append(Config("batch", batch, "medusa", "medusa", batch, TreeConfig(budget=args.budget, adaptive=False), "medusa"))
+            rows.append(Config("batch", batch, "clover", "clover", batch, TreeConfig(budget=args.budget, adaptive=False)))
             for budget in args.fixed_budgets:
                 if budget != args.budget:
-                    rows.append(Config("batch", batch, f"clover-b{budget}", "clover", batch, TreeConfig(budget=budget)))
+                    rows.append(Config("batch", batch, f"clover-b{budget}", "clover", batch, TreeConfig(budget=budget, adaptive=False)))
             rows.append(Config("batch", batch, "adaptive-clover", "clover", batch,
                                TreeConfig(budget=args.adaptive_max_budget, adaptive=True)))
             for label, method in extra_engines.items():
-                rows.append(Config("batch", batch, label, method, batch, TreeConfig(budget=args.budget), label))
+                rows.append(Config("batch", batch, label, method, batch, TreeConfig(budget=args.budget, adaptive=False), label))
         configs["batch"] = rows
     if "budget" in args.sweeps:
         rows = []
         for budget in args.budgets:
-            rows.append(Config("budget", budget, "clover", "clover", args.sweep_batch, TreeConfig(budget=budget)))
+            rows.append(Config("budget", budget, "clover", "clover", args.sweep_batch, TreeConfig(budget=budget, adaptive=False)))
             if has_medusa:
-                rows.append(Config("budget", budget, "medusa", "medusa", args.sweep_batch, TreeConfig(budget=budget),
+                rows.append(Config("budget", budget, "medusa", "medusa", args.sweep_batch, TreeConfig(budget=budget, adaptive=False),
                                    "medusa"))
         configs["budget"] = rows
     if "heads" in args.sweeps:
-        configs["heads"] = [Config("heads", k, "clover", "clover", args.sweep_batch, TreeConfig(budget=args.budget, depth=k))
+        configs["heads"] = [Config("heads", k, "clover", "clover", args.sweep_batch, TreeConfig(budget=args.budget, depth=k, adaptive=False))
                             for k in range(1, heads + 1)]
     if "hf" in args.sweeps:
         configs["hf"] = [Config("hf", 1, "vanilla", "vanilla", 1),
-                         Config("hf", 1, "clover", "clover", 1, TreeConfig(budget=args.budget)),
+                         Config("hf", 1, "clover", "clover", 1, TreeConfig(budget=args.budget, adaptive=False)),
                          Config("hf", 1, "hf-greedy", "hf-greedy", 1),
                          Config("hf", 1, "hf-prompt-lookup", "hf-prompt-lookup", 1)]
     if "triton" in args.sweeps:
@@ -261,7 +263,7 @@ def run(args) -> dict:
 
     from clover.adaptive import calibrate
     from clover.backends.onnxruntime import OnnxRuntimeEngine
-    from clover.cli import encode_prompt
+    from clover.prompts import encode_prompt
 
     log = (lambda m: None) if args.silent else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
     engines = {"clover": OnnxRuntimeEngine(args.engine, threads=args.threads)}
@@ -291,7 +293,7 @@ def run(args) -> dict:
     if "hf" in args.sweeps:
         from transformers import AutoModelForCausalLM
 
-        source = engines["clover"].meta.get("source", {}).get("target")
+        source = engines["clover"].meta.source.get("target")
         if source and Path(source).is_dir():
             hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
         else:
@@ -320,7 +322,7 @@ def run(args) -> dict:
 
 
 def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, notes, log) -> dict:
-    extra = {label: "medusa" if engines[label].spec.drafter_method == "medusa" else "clover"
+    extra = {label: engines[label].spec.default_method
              for label, _ in args.extra_engine}
     configs = build_configs(args, engines["clover"].spec, "medusa" in engines,
                             tuple(triton.models) if triton is not None else (), extra)

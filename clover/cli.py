@@ -53,9 +53,13 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=_positive, default=256, help="new tokens per prompt at most")
     p.add_argument("--tree-budget", type=int, default=4, help="draft tree nodes per step, not counting the root")
     p.add_argument("--tree-depth", type=int, default=None, help="draft depth (default: every head)")
-    p.add_argument("--adaptive", action="store_true",
-                   help="choose the tree budget each step (0 to --tree-budget) from the engine's cost model "
-                        "(an --engine built with --calibrate)")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose the tree budget each step (0 to --tree-budget) from the engine's cost model; "
+                        "default: whenever the engine has one; --no-adaptive keeps --tree-budget fixed")
+    p.add_argument("--backend", choices=["auto", "onnxruntime", "torch"], default="auto",
+                   help="auto: the --engine if given; on the demo target with its shipped Clover heads, the demo "
+                        "onnxruntime engine (built once into engines/demo, about a minute); else torch. torch: the "
+                        "reference path on --target/--drafter")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (tree speculative sampling)")
     p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
@@ -68,77 +72,51 @@ def add_generate_parser(subparsers) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def load_torch_engine(target_dir, drafter_dir, method: str, max_seq_len: int, cache_dir=None, draft_top_k: int = 8):
-    """(engine, tokenizer) for the torch backend."""
-    from clover.backends.torch import TorchEngine
-    from clover.demo import resolve_drafter, resolve_target
-    from clover.drafters import Drafter, load_drafter
-    from clover.target import load_target, load_tokenizer
+def _generate_engine_dir(args) -> Path | None:
+    """The engine directory ``clover generate`` decodes on, or None for the torch path (see ``--backend``)."""
+    if args.engine is not None:
+        if args.backend == "torch":
+            raise ConfigError("--engine runs on its own backend; drop --backend torch (or --engine)")
+        return args.engine
+    demo_default = args.target == "demo" and args.drafter in (None, "demo-clover") and args.method != "medusa"
+    if args.backend == "torch" or (args.backend == "auto" and not demo_default):
+        return None
+    if not demo_default:
+        raise ConfigError("--backend onnxruntime needs --engine DIR, except on the demo target with its Clover heads")
+    from clover.export.builder import ensure_demo_engine
 
-    path = resolve_target(target_dir, cache_dir)
-    if method != "vanilla":  # the demo target's shipped heads unless --drafter says otherwise
-        drafter_dir = resolve_drafter(drafter_dir, str(target_dir), method)
-    target = load_target(path)
-    tokenizer = load_tokenizer(path)
-    drafter = None
-    if method != "vanilla":
-        if drafter_dir is not None:
-            drafter = load_drafter(drafter_dir, target)
-        else:
-            print(f"[clover] using untrained {method} heads (output is unchanged, "
-                  "speed-up needs trained heads)", file=sys.stderr)
-            drafter = Drafter.untrained(target, method)
-    return TorchEngine(target, drafter, max_seq_len=max_seq_len, draft_top_k=draft_top_k), tokenizer
-
-
-def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_dict=False)
-        return list(ids)
-    return tokenizer.encode(text)
-
-
-def _read_prompts(path: Path) -> list[dict]:
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{number}: not JSON ({exc})") from exc
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ConfigError(f'{path}:{number}: expected {{"id": ..., "prompt": "..."}}')
-        rows.append({"id": row.get("id", number), "prompt": row["prompt"]})
-    if not rows:
-        raise ConfigError(f"{path}: no prompts")
-    return rows
+    return ensure_demo_engine(progress=lambda message: print(f"[clover] {message}", file=sys.stderr, flush=True))
 
 
 def cmd_generate(args) -> int:
     import torch
 
-    from clover.decode import GenerationRequest, SpeculativeDecoder
+    from clover.decode import GenerationRequest, SpeculativeDecoder, cut_at_stop, refuse_empty_prompt
+    from clover.prompts import encode_prompt, read_prompts_file
+    from clover.target import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     tree = TreeConfig(budget=args.tree_budget, depth=args.tree_depth, adaptive=args.adaptive)
-    if args.engine is not None:
+    rows = [{"id": 0, "prompt": args.prompt}] if args.prompt is not None else read_prompts_file(args.prompts_file)
+    for row in rows:  # the text, before loading the model: the chat template would hide an empty prompt
+        refuse_empty_prompt(row["prompt"])
+    engine_dir = _generate_engine_dir(args)
+    if engine_dir is not None:
         from clover.backends import load_engine
-        from clover.target import load_tokenizer
 
-        engine = load_engine(args.engine, threads=args.threads)
-        tokenizer = load_tokenizer(args.engine)
-        family = engine.spec.drafter_method
-        args.method = args.method or ("vanilla" if family is None else "medusa" if family == "medusa" else "clover")
+        engine = load_engine(engine_dir, threads=args.threads)
+        tokenizer = load_tokenizer(engine_dir)
+        args.method = args.method or engine.spec.default_method
     else:
+        from clover.backends.torch import TorchEngine
+
         args.method = args.method or "clover"
-        engine, tokenizer = load_torch_engine(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir)
+        engine = TorchEngine.from_checkpoint(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir)
+        tokenizer = load_tokenizer(engine.checkpoint_dir)
     decoder = SpeculativeDecoder(engine, args.method, tree, tokenizer, max_batch_size=args.batch_size)
 
-    rows = [{"id": 0, "prompt": args.prompt}] if args.prompt is not None else _read_prompts(args.prompts_file)
     requests = [GenerationRequest(encode_prompt(tokenizer, r["prompt"], not args.no_chat_template),
                                   max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   stop_strings=tuple(args.stop), seed=args.seed + i, request_id=r["id"])
@@ -150,10 +128,7 @@ def cmd_generate(args) -> int:
 
         def stream(event):
             tokens.extend(event.new_token_ids)
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            if args.stop:
-                cuts = [text.index(s) for s in args.stop if s in text]
-                text = text[: min(cuts)] if cuts else text
+            text = cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), args.stop)
             sys.stdout.write(text[shown[0]:])
             sys.stdout.flush()
             shown[0] = len(text)
@@ -187,6 +162,8 @@ def cmd_generate(args) -> int:
 
 
 def summarize(results, seconds: float, method: str) -> dict:
+    from clover.stats import tokens_per_step
+
     new_tokens = sum(len(r.token_ids) for r in results)
     steps = sum(r.stats.num_steps for r in results)
     return {
@@ -195,8 +172,7 @@ def summarize(results, seconds: float, method: str) -> dict:
         "new_tokens": new_tokens,
         "decode_seconds": seconds,
         "tokens_per_second": new_tokens / seconds if seconds > 0 else 0.0,
-        # the first token of each prompt comes from the prompt pass, not a decode step
-        "tokens_per_step": (new_tokens - len(results)) / steps if steps else 0.0,
+        "tokens_per_step": tokens_per_step(new_tokens, steps, len(results)),
         "num_steps": steps,
     }
 
@@ -219,9 +195,10 @@ def add_serve_parser(subparsers) -> None:
                    help="decoding method; auto: the engine's heads if it has some, else vanilla")
     p.add_argument("--max-batch", type=int, default=0, help="sequences decoded together at most (0: the engine's limit)")
     p.add_argument("--tree-budget", type=int, default=None, help="draft tree nodes per step (default: the engine's)")
-    p.add_argument("--adaptive", action="store_true",
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose each step's tree budget (0 to --tree-budget) from the number of live sequences "
-                        "with the engine's cost model (build_engine --calibrate)")
+                        "with the engine's cost model; default: whenever the engine has one (export/build_engine.py "
+                        "calibrates by default); --no-adaptive keeps --tree-budget fixed")
     p.add_argument("--threads", type=int, default=0, help="engine CPU threads (0: the backend's default)")
     p.add_argument("--host", default="0.0.0.0", help="address the endpoints bind to")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: a free one)")
@@ -233,18 +210,26 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--demo", action="store_true", help="the end-to-end demo instead: build the demo engine if missing, "
                    "start the server, stream answers to a few prompts, compare with vanilla, stop")
     p.add_argument("--max-tokens", type=_positive, default=96, help="with --demo: new tokens per answer")
+    p.add_argument("--openai-port", type=int, default=None,
+                   help="also serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) "
+                        "on this port (0: a free one), in a process of its own; with --demo: serve the demo engine "
+                        "(built if missing) until Ctrl-C instead of the scripted comparison")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args) -> int:
     from clover.serving.launch import run_demo, serve
 
-    if args.demo:
+    if args.demo and args.openai_port is None:
         return run_demo(args.engine, max_tokens=args.max_tokens, startup_timeout_s=args.startup_timeout)
+    if args.demo:
+        from clover.serving.launch import ensure_demo_engine
+
+        args.engine = ensure_demo_engine(args.engine)
     return serve(args.engine, backend=args.backend, method=args.method, max_batch=args.max_batch,
                  tree_budget=args.tree_budget, adaptive=args.adaptive, threads=args.threads, host=args.host, http_port=args.http_port,
                  grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_repository=args.model_repository,
-                 startup_timeout_s=args.startup_timeout, log_file=args.log_file)
+                 startup_timeout_s=args.startup_timeout, log_file=args.log_file, openai_port=args.openai_port)
 
 
 def add_client_parser(subparsers) -> None:
@@ -278,11 +263,12 @@ def add_client_parser(subparsers) -> None:
 
 def cmd_client(args) -> int:
     from clover.client import ClientError, GrpcClient, HttpClient, format_load_report, run_load
+    from clover.prompts import read_prompts_file
 
     url = args.url or ("localhost:8001" if args.protocol == "grpc" else "localhost:8000")
     prompts = list(args.prompt)
     if args.prompts_file is not None:
-        prompts += [row["prompt"] for row in _read_prompts(args.prompts_file)]
+        prompts += [row["prompt"] for row in read_prompts_file(args.prompts_file)]
     if not prompts:
         prompts = ["Explain speculative decoding in two sentences."]
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -318,12 +304,11 @@ def cmd_client(args) -> int:
                     result = collect(shown(client.stream(prompt, args.max_tokens, **options)), start)
                 sys.stdout.write("\n")
                 perf = result.perf or {}
-                steps = perf.get("num_decode_steps") or 0
                 ttft = f"{result.first_token_seconds * 1000:.0f} ms" if result.first_token_seconds is not None else "-"
                 print(f"[clover] {len(result.token_ids)} tokens in {result.seconds:.2f} s "
                       f"({result.tokens_per_second:.1f} tok/s, first token {ttft}, "
                       f"acceptance rate {perf.get('acceptance_rate', 0.0):.2f}, "
-                      f"{(len(result.token_ids) - 1) / steps if steps else 0:.2f} tokens/step, "
+                      f"{result.tokens_per_step:.2f} tokens/step, "
                       f"finish: {result.finish_reason})", file=sys.stderr)
         finally:
             close = getattr(client, "close", None)

@@ -10,8 +10,9 @@
 - :func:`run_load`: N concurrent streams; throughput, time to first token and
   inter-token latency percentiles.
 
-This module needs only numpy and tritonclient (imported lazily), not torch or
-the rest of Clover, so it also works as a stand-alone client file.
+This module needs only numpy, tritonclient (imported lazily) and :mod:`clover.stats`
+(plain Python), not torch or the rest of Clover, so it works on a client machine
+with ``pip install --no-deps`` of this package.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import uuid
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
+
+from clover.stats import tokens_per_step
 
 DEFAULT_MODEL = "clover"
 
@@ -60,6 +63,11 @@ class Result:
     @property
     def tokens_per_second(self) -> float:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """From the server's perf metrics (``num_decode_steps``); 0.0 without them."""
+        return tokens_per_step(len(self.token_ids), (self.perf or {}).get("num_decode_steps") or 0)
 
 
 def collect(chunks: Iterator[Chunk], start: float | None = None) -> Result:
@@ -354,7 +362,7 @@ def run_load(make_client: Callable[[], object], prompts: Sequence[str], concurre
         "time_to_first_token": _percentiles(ttft),
         "inter_token_latency": _percentiles(itl),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "tokens_per_step": (tokens - len(results)) / steps if steps else 0.0,
+        "tokens_per_step": tokens_per_step(tokens, steps, len(results)),
     }
 
 

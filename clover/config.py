@@ -21,6 +21,14 @@ class ConfigError(ValueError):
     """A configuration or checkpoint is unsupported or inconsistent."""
 
 
+def decoding_method(drafter_method: str | None) -> str:
+    """The decoding method that runs heads of ``drafter_method``: ``vanilla`` without heads, ``medusa`` for
+    Medusa heads, ``clover`` for Clover and its ablation variants (they share the regressive draft loop)."""
+    if drafter_method is None:
+        return "vanilla"
+    return "medusa" if drafter_method == "medusa" else "clover"
+
+
 def read_json_file(path: Path, missing: str) -> Any:
     """Parsed JSON of ``path``; :class:`ConfigError` with ``missing`` when absent, or naming the parse error."""
     if not path.exists():
@@ -177,7 +185,10 @@ class TreeConfig(JsonMixin):
     (e.g. ``[[0], [1], [0, 0]]``); when given, ``budget`` and pruning are ignored.
     ``adaptive``: choose the budget each step (0 to ``budget``) from the engine's
     cost model and the measured acceptance (:mod:`clover.adaptive`); ``budget``
-    is then the largest tree allowed.
+    is then the largest tree allowed. ``None`` (the default) does so whenever a
+    cost model is available and the tree is dynamic, so speculation never costs
+    more than it saves (docs/trees.md#adaptive-tree-budget); ``True`` requires a
+    cost model; ``False`` keeps the fixed ``budget`` every step.
     """
 
     budget: int = 4
@@ -185,7 +196,7 @@ class TreeConfig(JsonMixin):
     top_k: int = 8
     prune_ratio: float = 0.02
     static_choices: list[list[int]] | None = None
-    adaptive: bool = False
+    adaptive: bool | None = None
 
     def __post_init__(self) -> None:
         if self.budget < 0:

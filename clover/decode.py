@@ -13,19 +13,35 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from clover.adaptive import AdaptiveBudget, CostModel
 from clover.attention import causal_packed_mask
+from clover.stats import tokens_per_step
 from clover.config import ConfigError, SamplingConfig, TreeConfig
-from clover.engine import Engine
+from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
 from clover.tree import TokenTree, batch_trees, build_trees
 from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
 
 METHODS = ("vanilla", "medusa", "clover")
+
+
+def refuse_empty_prompt(prompt: str | Sequence[int]) -> None:
+    """ConfigError for a prompt without text or without tokens: there is nothing to continue.
+
+    The CLI and the server check the text too, because a chat template wraps even empty text in tokens.
+    """
+    if len(prompt) == 0:
+        raise ConfigError("the prompt is empty")
+
+
+def cut_at_stop(text: str, stop_strings: Iterable[str]) -> str:
+    """``text`` up to (not including) the earliest stop string in it; empty stop strings never match."""
+    starts = [start for start in (text.find(stop) for stop in stop_strings if stop) if start >= 0]
+    return text[: min(starts)] if starts else text
 
 
 @dataclasses.dataclass
@@ -39,6 +55,21 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()
     seed: int = 0
     request_id: Any = None
+
+    def validate(self, max_seq_len: int, has_tokenizer: bool) -> None:
+        """ConfigError for a request a decoder with a ``max_seq_len`` context cannot run.
+
+        The one request check: :meth:`SpeculativeDecoder.submit`, the in-flight batcher (before it
+        queues a request) and the server's request parser all call it.
+        """
+        refuse_empty_prompt(self.prompt_ids)
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if len(self.prompt_ids) + 1 > max_seq_len:  # the first new token needs a cache slot as well
+            raise ConfigError(f"the prompt is {len(self.prompt_ids)} tokens and does not fit the context of "
+                              f"{max_seq_len} tokens; it must be shorter")
+        if self.stop_strings and not has_tokenizer:
+            raise ConfigError("stop strings need a tokenizer")
 
 
 @dataclasses.dataclass
@@ -54,9 +85,11 @@ class SequenceStats:
     depth_tried: list[int] = dataclasses.field(default_factory=list)
     depth_accepted: list[int] = dataclasses.field(default_factory=list)
 
-    def record(self, tree: TokenTree, accepted: Accepted) -> None:
+    def record(self, tree: TokenTree, accepted: Accepted) -> tuple[int, int]:
+        """Count one decode step; returns its (draft tokens proposed, draft tokens accepted)."""
         self.num_steps += 1
-        self.num_draft_tokens += len(tree) - 1
+        drafted = len(tree) - 1
+        self.num_draft_tokens += drafted
         depth_reached, accepted_depth = max(tree.depths), len(accepted.path) - 1
         self.accepted_per_step.append(accepted_depth)
         for d in range(depth_reached):
@@ -65,6 +98,7 @@ class SequenceStats:
                 self.depth_accepted.append(0)
             self.depth_tried[d] += 1
             self.depth_accepted[d] += d < accepted_depth
+        return drafted, accepted_depth
 
     @property
     def acceptance_per_depth(self) -> list[float]:
@@ -83,18 +117,26 @@ class SequenceResult:
     @property
     def tokens_per_step(self) -> float:
         """New tokens per target pass after the prompt (the first token comes from the prompt pass)."""
-        return (len(self.token_ids) - 1) / self.stats.num_steps if self.stats.num_steps else 0.0
+        return tokens_per_step(len(self.token_ids), self.stats.num_steps)
 
 
 @dataclasses.dataclass
 class StepEvent:
-    """New tokens of one sequence from one :meth:`SpeculativeDecoder.step`."""
+    """New tokens of one sequence from one :meth:`SpeculativeDecoder.step`.
+
+    ``decode_step`` is set when the tokens come from a target pass after the prompt; ``draft_tokens``
+    and ``accepted_draft_tokens`` count that pass's draft tree nodes and the ones the target accepted,
+    so consumers can keep running totals without reading the decoder's :class:`SequenceStats`.
+    """
 
     seq_id: int
     request_id: Any
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    decode_step: bool = False
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 class _Sequence:
@@ -132,20 +174,21 @@ class _Sequence:
 
     def _stop_string_cut(self, checked: int) -> int | None:
         """Smallest token count whose text contains a stop string (searching new tokens only)."""
-        if not any(s in self.decode_text(self.generated) for s in self.request.stop_strings):
+        if not self._has_stop_string(self.generated):
             return None
         for n in range(max(1, checked), len(self.generated) + 1):
-            if any(s in self.decode_text(self.generated[:n]) for s in self.request.stop_strings):
+            if self._has_stop_string(self.generated[:n]):
                 return n
         return len(self.generated)
+
+    def _has_stop_string(self, token_ids: list[int]) -> bool:
+        text = self.decode_text(token_ids)
+        return cut_at_stop(text, self.request.stop_strings) != text
 
     def result(self) -> SequenceResult:
         text = None
         if self.decode_text is not None:
-            text = self.decode_text(self.generated, skip_special_tokens=True)
-            for stop in self.request.stop_strings:
-                if stop in text:
-                    text = text[: text.index(stop)]
+            text = cut_at_stop(self.decode_text(self.generated, skip_special_tokens=True), self.request.stop_strings)
         return SequenceResult(self.request.request_id, self.request.prompt_ids, list(self.generated),
                               self.finish_reason or "length", self.stats, text)
 
@@ -154,7 +197,7 @@ class SpeculativeDecoder:
     """Batched speculative (or vanilla) decoding on one engine.
 
     Args:
-        engine: anything implementing :class:`clover.engine.Engine`.
+        engine: anything implementing :class:`clover.engine_contract.Engine`.
         method: ``vanilla``, ``medusa`` or ``clover``; the speculative methods need
             an engine whose drafter is of that family.
         tree: tree settings (default: dynamic tree, budget 4).
@@ -176,8 +219,7 @@ class SpeculativeDecoder:
         if method != "vanilla":
             if not spec.num_draft_heads:
                 raise ConfigError(f"method {method!r} needs draft heads; pass a drafter or use --method vanilla")
-            family = "medusa" if spec.drafter_method == "medusa" else "clover"
-            if family != method:
+            if spec.default_method != method:
                 raise ConfigError(f"method {method!r} does not match the engine's {spec.drafter_method!r} drafter")
         self.engine, self.method = engine, method
         self.tree = tree or TreeConfig()
@@ -194,36 +236,37 @@ class SpeculativeDecoder:
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # index == cache row
         self._cancelled: set[int] = set()
-        self.adaptive: AdaptiveBudget | None = None
-        if self.tree.adaptive and method != "vanilla":
-            if cost_model is None:
-                cost_model = getattr(engine, "cost_model", None)
-            if cost_model is None:
-                raise ConfigError("adaptive trees need a cost model: build the engine with --calibrate, "
-                                  "or pass cost_model (clover.adaptive.calibrate)")
-            depth = min(self.tree.depth or spec.num_draft_heads, spec.num_draft_heads)
-            self.adaptive = AdaptiveBudget(cost_model, depth, min(self.tree.top_k, spec.draft_top_k), self.tree.budget)
+        self.adaptive = self._adaptive_budget(cost_model or getattr(engine, "cost_model", None))
         max_tree = len(self.tree.static_choices) if self.tree.static_choices is not None else self.tree.budget
         self._max_step_tokens = 1 + (max_tree if method != "vanilla" else 0)
+
+    def _adaptive_budget(self, cost_model: CostModel | None) -> AdaptiveBudget | None:
+        """The per-step budget chooser, or None for a fixed budget (``tree.adaptive`` False, vanilla, a static
+        tree, or no cost model where adaptivity was not required)."""
+        wanted, spec = self.tree.adaptive, self.engine.spec
+        if wanted is False or self.method == "vanilla" or self.tree.static_choices is not None:
+            return None
+        if cost_model is None:
+            if wanted:
+                raise ConfigError("adaptive trees need a cost model: build the engine with calibration (the "
+                                  "default of export/build_engine.py), or pass cost_model (clover.adaptive.calibrate)")
+            return None
+        depth = min(self.tree.depth or spec.num_draft_heads, spec.num_draft_heads)
+        return AdaptiveBudget(cost_model, depth, min(self.tree.top_k, spec.draft_top_k), self.tree.budget)
 
     # -- public API -------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> int:
-        """Queue a request; it is prefilled at the next :meth:`step`. Returns its sequence id."""
-        if not request.prompt_ids:
-            raise ValueError("empty prompt")
-        if request.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if len(request.prompt_ids) + 1 > self.engine.spec.max_seq_len:
-            raise ValueError(f"prompt of {len(request.prompt_ids)} tokens does not fit the context "
-                             f"of {self.engine.spec.max_seq_len} tokens")
+        """Queue a request; it is prefilled at the next :meth:`step`. Returns its sequence id.
+
+        Raises ConfigError for a request :meth:`GenerationRequest.validate` refuses.
+        """
+        request.validate(self.engine.spec.max_seq_len, self.tokenizer is not None)
         stop_ids = request.stop_token_ids
         if stop_ids is None:
             eos = getattr(self.tokenizer, "eos_token_id", None)
             stop_ids = () if eos is None else (eos,)
         decode_text = self.tokenizer.decode if self.tokenizer is not None else None
-        if request.stop_strings and decode_text is None:
-            raise ValueError("stop strings need a tokenizer")
         seq = _Sequence(next(self._ids), request, tuple(stop_ids), decode_text)
         self._pending.append(seq)
         return seq.seq_id
@@ -368,14 +411,17 @@ class SpeculativeDecoder:
         self.cache.commit(result.present_keys, result.present_values, source,
                           torch.tensor([len(a.path) for a in accepted]))
         for i, (seq, acc) in enumerate(zip(seqs, accepted)):
-            seq.stats.record(trees[i], acc)
+            step_counts = seq.stats.record(trees[i], acc)
             seq.root_token = acc.tokens[-1]
             if self.method != "vanilla":
                 seq.root_hidden = result.h0[i, acc.path[-1]].clone()
-            events.append(self._event(seq, seq.emit(acc.tokens)))
+            events.append(self._event(seq, seq.emit(acc.tokens), step_counts))
         self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
         return events
 
     @staticmethod
-    def _event(seq: _Sequence, tokens: list[int]) -> StepEvent:
-        return StepEvent(seq.seq_id, seq.request.request_id, tokens, seq.finish_reason is not None, seq.finish_reason)
+    def _event(seq: _Sequence, tokens: list[int], step_counts: tuple[int, int] | None = None) -> StepEvent:
+        """``step_counts``: (drafted, accepted) of the decode step the tokens come from; None for no decode step."""
+        drafted, accepted = step_counts or (0, 0)
+        return StepEvent(seq.seq_id, seq.request.request_id, tokens, seq.finish_reason is not None, seq.finish_reason,
+                         decode_step=step_counts is not None, draft_tokens=drafted, accepted_draft_tokens=accepted)

@@ -23,6 +23,24 @@ SHIPPED_HEADS_DIR = Path(__file__).resolve().parent / "assets" / DEMO_NAME
 SHIPPED_PREFIX = "demo-"  # --drafter demo-clover / demo-medusa
 
 
+DEFAULT_ENGINE_SUBDIR = Path("engines") / "demo"
+ENGINE_ENV = "CLOVER_ENGINE_DIR"
+
+
+def checkout_root() -> Path:
+    """The directory that holds the ``clover`` package (in a source checkout: the repository root)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def default_engine_dir(repository_parent: str | Path | None = None) -> Path:
+    """``$CLOVER_ENGINE_DIR``, else ``engines/demo`` in ``repository_parent`` (default: the checkout root),
+    where ``clover serve --demo`` and ``clover generate`` on the demo target build the demo engine once."""
+    env = os.environ.get(ENGINE_ENV)
+    if env:
+        return Path(env)
+    return Path(repository_parent or checkout_root()) / DEFAULT_ENGINE_SUBDIR
+
+
 class DemoModelMissing(RuntimeError):
     pass
 

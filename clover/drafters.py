@@ -1,4 +1,4 @@
-"""Draft heads: Clover, the Medusa baseline and the ablations of DESIGN §1.
+"""Draft heads: Clover, the Medusa baseline and the ablations (docs/drafter.md#medusa-baseline-and-ablations).
 
 The shared, frozen LM head is never owned by a drafter: it is passed in as
 ``lm_head_weight [V, H]``. Head MLPs are stored stacked (``[K, H, H]``) so a

@@ -1,4 +1,4 @@
-"""The engine contract of DESIGN §3, shared by every backend.
+"""The engine contract (docs/engine-contract.md), shared by every backend.
 
 A backend implements two callables on named tensors; the decode loop in
 :mod:`clover.decode` drives them and owns everything else (trees, acceptance,

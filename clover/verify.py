@@ -1,4 +1,4 @@
-"""Verification of a token tree against the target's logits (DESIGN §2).
+"""Verification of a token tree against the target's logits (docs/trees.md#verification).
 
 Greedy acceptance keeps the longest path whose every token equals the
 target's argmax after its parent: the output equals vanilla greedy decoding.

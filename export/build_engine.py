@@ -19,7 +19,7 @@ import sys
 from tqdm import tqdm
 
 from clover.config import ConfigError
-from clover.export.engine_dir import build_engine, recalibrate_engine_dir
+from clover.export.builder import build_engine, default_draft_int8, recalibrate_engine_dir
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,14 +43,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-top-k", type=int, default=8, help="candidates the draft step returns per node (default: 8)")
     p.add_argument("--num-heads", type=int, default=3, help="heads of the untrained default drafter (default: 3)")
     p.add_argument("--cache-dir", help="where the demo checkpoint is converted to")
-    p.add_argument("--calibrate", action="store_true",
-                   help="time the built engine against tokens in flight and store the cost model in engine.json "
-                        "(adaptive tree budgets use it; seconds to a minute)")
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the built engine against tokens in flight and store the cost model in engine.json; "
+                        "decoding then picks each step's tree budget from it, so speculation never costs more "
+                        "than it saves (seconds to a minute; default: on; --no-calibrate skips it)")
     p.add_argument("--calibrate-max-tokens", type=int, default=None,
                    help="largest tokens in flight to time (default: max-batch * (1 + max-tree), at most 256)")
-    p.add_argument("--draft-int8", action="store_true",
-                   help="int8 weights for the draft step (onnxruntime fp32): its LM-head read shrinks 4x, so "
-                        "drafting costs about half on CPU; outputs stay lossless (the target is untouched)")
+    p.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None,
+                   help="int8 weights for the draft step: its LM-head read shrinks 4x, so drafting costs about "
+                        "half on CPU; only the proposals change, outputs stay lossless (the target is untouched). "
+                        "Default: on for onnxruntime fp32 engines; --no-draft-int8 keeps fp32 drafts")
     p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
     p.add_argument("--recalibrate", action="store_true",
                    help="only measure and store a new cost model in the existing engine --output (cost models "
@@ -78,7 +80,9 @@ def main(argv=None) -> int:
                      attention=args.attention, max_batch=args.max_batch, max_tree=args.max_tree, max_seq=args.max_seq,
                      draft_top_k=args.draft_top_k, num_heads=args.num_heads, cache_dir=args.cache_dir,
                      overwrite=args.overwrite, calibrate=args.calibrate,
-                     calibrate_max_tokens=args.calibrate_max_tokens, draft_int8=args.draft_int8, on_layer=on_layer)
+                     calibrate_max_tokens=args.calibrate_max_tokens, on_layer=on_layer,
+                     draft_int8=default_draft_int8(args.backend, args.dtype) if args.draft_int8 is None
+                     else args.draft_int8)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"build_engine: error: {exc}", file=sys.stderr)
         return 2

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import torch
-
 import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
 
 from clover.backends.torch import TorchEngine
 from clover.decode import GenerationRequest, SpeculativeDecoder
-from clover.engine import DraftResult, TargetResult
+from clover.engine_contract import DraftResult, TargetResult
 
 
 class OracleEngine:
@@ -67,7 +70,11 @@ class OracleEngine:
 
 
 def vanilla_greedy(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Reference: vanilla greedy decoding, each prompt alone (batch 1)."""
+    """Clover's own vanilla greedy decoding, each prompt alone (batch 1).
+
+    Not an independent reference: it runs through the same :class:`SpeculativeDecoder` and
+    ``greedy_accept`` as the speculative methods; compare outputs with :func:`hf_greedy`.
+    """
     decoder = SpeculativeDecoder(engine, "vanilla")
     return [decoder.generate([GenerationRequest(p, max_new_tokens=max_new_tokens, stop_token_ids=())])[0].token_ids
             for p in prompts]
@@ -100,3 +107,122 @@ def naive_tree_attention(q, k, v, k_cache, v_cache, past_lengths, visible):
                 weights = torch.softmax(keys @ q[b, t, h].double() / dim**0.5, dim=0)
                 out[b, t, h] = weights @ vals
     return out
+
+
+# -- the independent greedy reference: transformers generate() ------------------------------------------
+
+_HF_MODELS: dict = {}
+_HF_GREEDY: dict = {}
+
+
+def _target_fingerprint(target) -> str:
+    """Content hash of a clover ``LlamaTarget`` (config and every weight): a cache key that follows mutations."""
+    digest = hashlib.sha1(json.dumps(target.config.to_dict(), sort_keys=True).encode())
+    for name, tensor in sorted(target.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _hf_from_target(target, dtype: torch.dtype):
+    """A transformers model with a clover ``LlamaTarget``'s configuration and weights (for ``make_target``)."""
+    import transformers
+
+    cfg = target.config
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                  num_key_value_heads=cfg.num_kv_heads, hidden_act="silu", rms_norm_eps=cfg.rms_norm_eps,
+                  max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+                  rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+    if cfg.architecture == "qwen2":  # Qwen2: q/k/v bias, no o bias, head_dim = hidden / heads
+        assert cfg.qkv_bias and not cfg.o_bias and not cfg.mlp_bias
+        assert cfg.head_dim * cfg.num_heads == cfg.hidden_size
+        config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    else:
+        assert cfg.architecture == "llama" and cfg.qkv_bias == cfg.o_bias, cfg
+        config = transformers.LlamaConfig(**common, head_dim=cfg.head_dim, attention_bias=cfg.qkv_bias,
+                                          mlp_bias=cfg.mlp_bias)
+        cls = transformers.LlamaForCausalLM
+    model = cls(config)
+    state = {name if name == "lm_head.weight" else f"model.{name}": tensor
+             for name, tensor in target.state_dict().items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not [m for m in missing if "rotary_emb" not in m], (missing, unexpected)
+    return model.to(dtype)
+
+
+def hf_model(source, dtype: torch.dtype = torch.float32):
+    """A transformers causal LM in eval mode for ``source`` (cached).
+
+    ``source``: a Hugging Face checkpoint directory, loaded by ``AutoModelForCausalLM`` from its own
+    ``config.json`` (the reference follows the checkpoint, not clover's reading of it: tied embeddings, RoPE,
+    biases, norm epsilon); or a clover ``LlamaTarget`` built in memory (``make_target``), copied into the
+    transformers model of the same architecture and shape. Its generation config is plain greedy decoding
+    with no EOS: :func:`hf_greedy` cuts at stop tokens itself.
+    """
+    return _hf_model_and_key(source, dtype)[0]
+
+
+def _hf_model_and_key(source, dtype: torch.dtype):
+    import transformers
+
+    if isinstance(source, (str, Path)):
+        key = ("checkpoint", str(Path(source).resolve()), dtype)
+    else:
+        key = ("target", _target_fingerprint(source), dtype)
+    if key not in _HF_MODELS:
+        if key[0] == "checkpoint":
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+        else:
+            model = _hf_from_target(source, dtype)
+        model.generation_config = transformers.GenerationConfig(do_sample=False, num_beams=1, eos_token_id=None,
+                                                                pad_token_id=0)
+        _HF_MODELS[key] = model.eval().requires_grad_(False)
+    return _HF_MODELS[key], key
+
+
+@torch.inference_mode()
+def hf_greedy(source, prompts: list[list[int]], max_new_tokens: int, stop_token_ids=(),
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """Independent reference: transformers ``generate()`` (greedy, its own KV cache), one prompt at a time.
+
+    Each output has ``max_new_tokens`` tokens, or ends at (and includes) the first of ``stop_token_ids``,
+    as clover's outputs do. ``source`` as in :func:`hf_model`.
+    """
+    model, key = _hf_model_and_key(source, dtype)
+    outputs = []
+    for prompt in prompts:
+        cached = _HF_GREEDY.get((key, tuple(prompt)), [])
+        if len(cached) < max_new_tokens:  # greedy continuations are prefixes of longer ones
+            ids = torch.tensor([list(prompt)])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, num_beams=1)
+            cached = out[0, ids.shape[1]:].tolist()
+            assert len(cached) == max_new_tokens, "generate() stopped early"
+            _HF_GREEDY[(key, tuple(prompt))] = cached
+        tokens = cached[:max_new_tokens]
+        stops = [i for i, t in enumerate(tokens) if t in set(stop_token_ids)]
+        outputs.append(tokens[: stops[0] + 1] if stops else tokens)
+    return outputs
+
+
+@torch.inference_mode()
+def hf_next_logits(source, prompt: list[int], tokens: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The reference's logits ``[len(tokens), V]`` (float32) for each of ``tokens`` given the prompt and
+    the tokens before it (one full pass, no KV cache)."""
+    model = hf_model(source, dtype)
+    full = list(prompt) + list(tokens)
+    logits = model(torch.tensor([full]), attention_mask=torch.ones(1, len(full), dtype=torch.long)).logits[0]
+    return logits[len(prompt) - 1: len(full) - 1].float()
+
+
+def greedy_deviations(source, prompt: list[int], tokens: list[int],
+                      dtype: torch.dtype = torch.float32) -> list[tuple[int, float, float]]:
+    """Where ``tokens`` (a greedy continuation of ``prompt`` by some decoder) are not the reference's argmax,
+    each judged on its own prefix (teacher forcing, so the whole sequence is checked even after a divergence):
+    ``(position, deficit, top-2 gap)`` with deficit = reference max logit - logit of the chosen token."""
+    logits = hf_next_logits(source, prompt, tokens, dtype)
+    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    top2 = torch.topk(logits, 2, dim=-1).values
+    deficit = top2[:, 0] - chosen
+    return [(i, float(deficit[i]), float(top2[i, 0] - top2[i, 1])) for i in range(len(tokens)) if deficit[i] > 0]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from clover.cli import encode_prompt
+from clover.prompts import encode_prompt
 from clover.decode import GenerationRequest, SequenceResult, SpeculativeDecoder
 from tests.conftest import write_tiny_checkpoint
 
@@ -18,7 +18,7 @@ PROMPTS = ["hello there", "a", "write a poem about the sea", "1 2 3 4", "What is
 
 def build_tiny_engine(root: Path, max_seq: int = 256) -> Path:
     """A tiny random Llama + untrained Clover heads, compiled to an ONNX Runtime engine directory."""
-    from clover.export.engine_dir import build_engine
+    from clover.export.builder import build_engine
 
     checkpoint = write_tiny_checkpoint(root / "checkpoint")
     return build_engine(root / "engine", str(checkpoint), None, max_seq=max_seq, max_batch=16,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from clover.config import ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.tree import build_trees
 from tests.conftest import make_drafter, make_target
-from tests.helpers import OracleEngine, random_prompts, vanilla_greedy
+from tests.helpers import OracleEngine, hf_greedy, random_prompts, vanilla_greedy
 
 MAX_NEW = 20
 
@@ -105,7 +106,18 @@ def test_cost_model_interpolation_and_json_round_trip(tmp_path):
 
 def test_acceptance_updates_online_and_moves_the_choice():
     acceptance = AcceptanceModel(depth=3)
-    assert choose_budget(1, ROOFLINE, acceptance.expected) == choose_budget(1, ROOFLINE, acceptance.expected)
+    # before any observation: the prior 1 + (1 - 0.8^min(b, 12)) * 1.2 tokens/step, and by hand on ROOFLINE
+    # at batch 1 (target 0.010 s + 0.001 s * b / 15 up to 16 tokens, then 0.165 s per 240 tokens; draft steps
+    # over 1, min(b, 8), min(b, 64) nodes at 0.001 s + 0.001 s * (n - 1) / 255) budget 12 is the best:
+    # b=8: 1.9987 / 0.013588 = 147.1 tokens/s, b=12: 2.1175 / 0.013871 = 152.7, b=16: 2.1175 / 0.014774 = 143.3
+    rates = {}
+    for b in (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+        tokens = 1 + (1 - 0.8 ** min(b, 12)) * 1.2 if b else 1.0
+        verify = 0.010 + 0.001 * b / 15 if b <= 15 else 0.011 + 0.165 * (b + 1 - 16) / 240
+        draft = sum(0.001 + 0.001 * (min(b, 8**level) - 1) / 255 for level in range(min(3, b)))
+        rates[b] = tokens / (verify + draft)
+    assert max(rates, key=rates.get) == 12
+    assert choose_budget(1, ROOFLINE, acceptance.expected) == 12
     before = acceptance.expected(8)
     for _ in range(50):
         acceptance.observe(4, 3.5, weight=4)
@@ -148,7 +160,8 @@ def test_adaptive_equals_vanilla_torch(cost, method):
     engine = CountingEngine(TorchEngine(target, make_drafter(target, method=method, num_heads=3, seed=4),
                                         max_seq_len=128))
     prompts = random_prompts(3, 5, target.config.vocab_size, 1, 16)
-    expected = [vanilla_greedy(engine, [p], MAX_NEW + i % 3)[0] for i, p in enumerate(prompts)]
+    expected = [hf_greedy(target, [p], MAX_NEW + i % 3)[0] for i, p in enumerate(prompts)]
+    assert [vanilla_greedy(engine, [p], MAX_NEW + i % 3)[0] for i, p in enumerate(prompts)] == expected
     model = {"flat": FLAT, "linear": LINEAR, "roofline": ROOFLINE}[cost]
     engine.draft_calls = 0
     decoder, results = _generate(engine, method, prompts, TreeConfig(budget=16, adaptive=True), model, batch_size=3)
@@ -167,7 +180,7 @@ def test_adaptive_oracle_speculates_and_stays_lossless():
     target = make_target(seed=7)
     inner = TorchEngine(target, None, max_seq_len=128)
     prompts = random_prompts(9, 4, target.config.vocab_size, 3, 12)
-    expected = vanilla_greedy(inner, prompts, 24)
+    expected = hf_greedy(target, prompts, 24)
     oracle = OracleEngine(inner, prompts, expected, num_heads=3)
     decoder = SpeculativeDecoder(oracle, "clover", TreeConfig(budget=8, adaptive=True), cost_model=ROOFLINE)
     results = decoder.generate([GenerationRequest(p, max_new_tokens=24, stop_token_ids=()) for p in prompts])
@@ -188,7 +201,7 @@ def test_adaptive_moves_to_vanilla_for_a_useless_drafter():
     decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8, adaptive=True), cost_model=steep)
     decoder.adaptive.acceptance = acceptance  # an optimistic prior, corrected by measurement
     results = decoder.generate([GenerationRequest(p, max_new_tokens=40, stop_token_ids=()) for p in prompts])
-    assert [r.token_ids for r in results] == vanilla_greedy(engine, prompts, 40)
+    assert [r.token_ids for r in results] == hf_greedy(target, prompts, 40)
     budgets = [b for _, b in decoder.adaptive.history]
     assert budgets[0] > 0 and budgets[-1] == 0
 
@@ -196,30 +209,77 @@ def test_adaptive_moves_to_vanilla_for_a_useless_drafter():
 # -- calibration -----------------------------------------------------------------
 
 
-def test_calibrate_torch_engine_gives_increasing_times(tiny_engine):
-    model = calibrate(tiny_engine, max_tokens=256, repeats=2)
-    assert [p[0] for p in model.target] == token_counts(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert model.target[-1][1] > model.target[0][1]
-    assert model.draft[-1][1] > model.draft[0][1]
-    assert all(s > 0 for _, s in model.target + model.draft)
+class FakeClock:
+    """Stands in for ``time`` in clover.adaptive: it advances only when the timed engine says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class TimedEngine:
+    """The tiny torch engine, each call taking a known time on the fake clock (an injected cost model)."""
+
+    def __init__(self, inner, clock: FakeClock) -> None:
+        self.inner, self.spec, self.clock, self.calls = inner, inner.spec, clock, []
+
+    @staticmethod
+    def target_seconds(tokens: int) -> float:
+        return 0.004 + 0.0005 * tokens
+
+    @staticmethod
+    def draft_seconds(nodes: int) -> float:
+        return 0.001 + 0.0001 * nodes
+
+    def target(self, input_ids, *args):
+        tokens = input_ids.numel()
+        self.calls.append(("target", tokens))
+        self.clock.now += self.target_seconds(tokens)
+        return self.inner.target(input_ids, *args)
+
+    def draft_step(self, hidden, token, head):
+        self.calls.append(("draft", token.numel()))
+        self.clock.now += self.draft_seconds(token.numel())
+        return self.inner.draft_step(hidden, token, head)
+
+
+def test_calibrate_measures_each_token_count(tiny_engine, monkeypatch):
+    """Deterministic: calibrate times exactly the engine calls, on a fake clock (no wall-clock flakiness)."""
+    import clover.adaptive as adaptive
+
+    clock = FakeClock()
+    monkeypatch.setattr(adaptive, "time", clock)
+    engine = TimedEngine(tiny_engine, clock)
+    model = calibrate(engine, max_tokens=256, repeats=2)
+    counts = token_counts(256)
+    assert counts == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert model.target == [[n, pytest.approx(TimedEngine.target_seconds(n))] for n in counts]
+    assert model.draft == [[n, pytest.approx(TimedEngine.draft_seconds(n))] for n in counts]
+    # one warm-up and two timed calls per count, target first
+    assert engine.calls == [("target", n) for n in counts for _ in range(3)] + [("draft", n) for n in counts
+                                                                                for _ in range(3)]
     assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
 
 
 def test_calibrated_onnx_engine(tmp_path):
     from clover.backends.onnxruntime import OnnxRuntimeEngine
-    from clover.export.engine_dir import build_engine, read_engine_meta
+    from clover.engine_dir import read_engine_meta
+    from clover.export.builder import build_engine
     from tests.conftest import write_tiny_checkpoint
 
     checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
     engine_dir = build_engine(tmp_path / "engine", str(checkpoint), None, max_seq=128, calibrate=True,
                               calibrate_max_tokens=128, progress=lambda m: None)
     meta = read_engine_meta(engine_dir)
-    assert [p[0] for p in meta["cost_model"]["target"]] == token_counts(128)
+    assert [p[0] for p in meta.cost_model.target] == token_counts(128)
     engine = OnnxRuntimeEngine(engine_dir)
-    assert engine.cost_model == CostModel.from_dict(meta["cost_model"])
-    assert engine.cost_model.target[-1][1] > engine.cost_model.target[0][1]
+    assert engine.cost_model == meta.cost_model
+    assert [p[0] for p in engine.cost_model.draft] == token_counts(128)  # (times: see the fake-clock test)
     prompts = random_prompts(1, 3, engine.spec.vocab_size, 2, 10)
-    expected = [vanilla_greedy(engine, [p], MAX_NEW + i % 3)[0] for i, p in enumerate(prompts)]
+    expected = [hf_greedy(checkpoint, [p], MAX_NEW + i % 3)[0] for i, p in enumerate(prompts)]
+    assert [vanilla_greedy(engine, [p], MAX_NEW + i % 3)[0] for i, p in enumerate(prompts)] == expected
     decoder, results = _generate(engine, "clover", prompts, TreeConfig(budget=8, adaptive=True))  # engine's model
     assert [r.token_ids for r in results] == expected
     assert decoder.adaptive.cost is engine.cost_model
@@ -234,7 +294,8 @@ def test_calibrated_onnx_engine(tmp_path):
 def test_recalibrate_stores_a_cost_model_without_rebuilding(tmp_path):
     import importlib.util
 
-    from clover.export.engine_dir import build_engine, read_engine_meta
+    from clover.engine_dir import read_engine_meta
+    from clover.export.builder import build_engine
     from tests.conftest import write_tiny_checkpoint
 
     spec = importlib.util.spec_from_file_location("build_engine_cli", Path(__file__).parent.parent / "export" / "build_engine.py")
@@ -243,11 +304,11 @@ def test_recalibrate_stores_a_cost_model_without_rebuilding(tmp_path):
     engine_dir = build_engine(tmp_path / "engine", str(write_tiny_checkpoint(tmp_path / "ckpt")), None, max_seq=128,
                               progress=lambda m: None)
     before = read_engine_meta(engine_dir)
-    assert "cost_model" not in before
+    assert before.cost_model is None
     onnx_files = {p.name: p.stat().st_mtime_ns for p in engine_dir.glob("*.onnx")}
     assert cli.main(["--output", str(engine_dir), "--recalibrate", "--calibrate-max-tokens", "64"]) == 0
     after = read_engine_meta(engine_dir)
-    assert [p[0] for p in after["cost_model"]["target"]] == token_counts(64)
-    assert {k: v for k, v in after.items() if k != "cost_model"} == before
+    assert [p[0] for p in after.cost_model.target] == token_counts(64)
+    assert dataclasses.replace(after, cost_model=None) == before
     assert {p.name: p.stat().st_mtime_ns for p in engine_dir.glob("*.onnx")} == onnx_files  # nothing rebuilt
     assert cli.main(["--output", str(tmp_path / "nowhere"), "--recalibrate"]) == 2

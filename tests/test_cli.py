@@ -92,7 +92,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 
 def test_stop_strings_cut_text_and_tokens(tiny_checkpoint):
     from clover.backends.torch import TorchEngine
-    from clover.cli import encode_prompt
+    from clover.prompts import encode_prompt
     from clover.config import TreeConfig
     from clover.decode import GenerationRequest, SpeculativeDecoder
     from clover.target import load_tokenizer

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
            "Give me three tips for sleeping better."]
 NEW_TOKENS = 48
-NEAR_TIE = 1e-3  # logit gap under which fp32 reordering may legitimately flip the argmax (DESIGN §2)
+# logit gap under which fp32 reordering may legitimately flip the argmax (docs/trees.md#floating-point-and-near-ties)
+NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="module")

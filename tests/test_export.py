@@ -3,22 +3,21 @@
 import json
 import math
 
-import numpy as np
 import onnx
 import pytest
 import torch
 
-from clover.attention import pack_mask
+from clover.attention import causal_packed_mask, pack_mask
 from clover.backends.onnxruntime import OnnxRuntimeEngine
 from clover.backends.torch import TorchEngine
 from clover.cli import main as clover_main
 from clover.config import ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.drafters import load_drafter, save_drafter
-from clover.export.engine_dir import build_engine
+from clover.export.builder import build_engine
 from clover.target import load_target
 from tests.conftest import make_drafter, write_tiny_checkpoint
-from tests.helpers import random_prompts, vanilla_greedy
+from tests.helpers import greedy_deviations, hf_greedy, hf_next_logits, random_prompts, vanilla_greedy
 
 METHODS = ["clover", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment"]
 quiet = dict(progress=lambda message: None)
@@ -85,12 +84,15 @@ def test_onnxruntime_matches_torch(checkpoints, engines, key):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("method", ["clover", "medusa"])
-def test_speculative_decoding_through_onnxruntime_equals_torch_vanilla(checkpoints, engines, batch, method):
-    ort_engine = OnnxRuntimeEngine(engines[("llama", method)])
-    torch_engine = _torch_engine(checkpoints["llama"], engines[("llama", method)])
+@pytest.mark.parametrize("key", [("llama", "clover"), ("llama", "medusa"), ("qwen2", "clover")])
+def test_speculative_decoding_through_onnxruntime_equals_torch_vanilla(checkpoints, engines, batch, key):
+    arch, method = key
+    ort_engine = OnnxRuntimeEngine(engines[key])
+    torch_engine = _torch_engine(checkpoints[arch], engines[key])
     prompts = random_prompts(batch, batch, ort_engine.spec.vocab_size, 2, 20)
-    expected = vanilla_greedy(torch_engine, prompts, 24)
+    expected = hf_greedy(checkpoints[arch], prompts, 24)  # transformers generate(): independent of clover
+    assert vanilla_greedy(torch_engine, prompts, 24) == expected
+    assert vanilla_greedy(ort_engine, prompts, 24) == expected
     results = SpeculativeDecoder(ort_engine, method, TreeConfig(budget=6)).generate(
         [GenerationRequest(p, max_new_tokens=24, stop_token_ids=()) for p in prompts])
     assert [r.token_ids for r in results] == expected
@@ -110,6 +112,14 @@ def test_cli_generate_with_engine_equals_torch(checkpoints, engines, tmp_path, c
         outputs[name] = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["token_ids"] for r in outputs["engine"]] == [r["token_ids"] for r in outputs["torch"]]
     assert [r["text"] for r in outputs["engine"]] == [r["text"] for r in outputs["torch"]]
+    # the independent reference: the chat template through transformers, generate() up to EOS
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoints["llama"]))
+    prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                return_dict=False) for text in ("hello", "sea")]
+    expected = hf_greedy(checkpoints["llama"], prompt_ids, 16, stop_token_ids=(tokenizer.eos_token_id,))
+    assert [r["token_ids"] for r in outputs["engine"]] == expected
 
 
 def test_engine_json_is_self_describing(engines):
@@ -173,7 +183,7 @@ def test_build_errors_are_clear(checkpoints, tmp_path):
     with pytest.raises(ConfigError, match="different target"):
         build_engine(tmp_path / "e2", str(checkpoints["llama"]), str(tmp_path / "qwen-heads"), **quiet)
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(ConfigError, match="cannot write the engine"):
+    with pytest.raises(ConfigError, match="cannot write"):
         build_engine(tmp_path / "a-file" / "engine", str(checkpoints["llama"]), None, **quiet)
     build_engine(tmp_path / "e3", str(checkpoints["llama"]), "none", **quiet)
     with pytest.raises(ConfigError, match="already exists"):
@@ -193,6 +203,7 @@ def test_vanilla_only_engine(checkpoints, tmp_path):
     torch_engine = TorchEngine(load_target(checkpoints["llama"]), None)
     out = SpeculativeDecoder(engine, "vanilla").generate([GenerationRequest(p, 12, stop_token_ids=()) for p in prompts])
     assert [r.token_ids for r in out] == vanilla_greedy(torch_engine, prompts, 12)
+    assert [r.token_ids for r in out] == hf_greedy(checkpoints["llama"], prompts, 12)
 
 
 def test_tensorrt_backend_says_clearly_when_missing(checkpoints, tmp_path):
@@ -206,16 +217,45 @@ def test_tensorrt_backend_says_clearly_when_missing(checkpoints, tmp_path):
         pytest.skip("tensorrt is installed: the GPU check script covers it")
 
 
-def test_fp16_engine_builds_and_decodes_losslessly_against_itself(checkpoints, tmp_path):
-    engine_dir = build_engine(tmp_path / "fp16", str(checkpoints["llama"]), None, dtype="fp16", **quiet)
+# fp16 keeps about 3 significant digits: on these tiny models' logits (|z| < 8) the fp16 engine's logits stay
+# within FP16_LOGIT_ERROR of the fp32 reference (measured 0.02-0.036, asserted below), so fp16 greedy may pick a
+# token other than the fp32 argmax only where the fp32 logits of the two differ by less than 2 * FP16_LOGIT_ERROR.
+FP16_LOGIT_ERROR = 0.06
+
+
+def test_fp16_engine_decodes_the_fp32_reference_up_to_fp16_near_ties(checkpoints, tmp_path):
+    """Vanilla and Clover decoding on an fp16 engine against transformers fp32 greedy decoding.
+
+    Every emitted token is judged on its own prefix (teacher forcing, so decoding is checked past a divergence):
+    it must be the fp32 reference's argmax, or within 2 * FP16_LOGIT_ERROR of the reference's top logit.
+    """
+    checkpoint = checkpoints["llama"]
+    engine_dir = build_engine(tmp_path / "fp16", str(checkpoint), None, dtype="fp16", **quiet)
     engine = OnnxRuntimeEngine(engine_dir)
     assert engine.spec.dtype == torch.float16
-    prompts = random_prompts(5, 2, engine.spec.vocab_size, 2, 10)
-    vanilla = SpeculativeDecoder(engine, "vanilla").generate([GenerationRequest(p, 12, stop_token_ids=()) for p in prompts])
-    clover = SpeculativeDecoder(engine, "clover").generate([GenerationRequest(p, 12, stop_token_ids=()) for p in prompts])
-    assert all(np.isfinite(r.token_ids).all() for r in vanilla)
-    # fp16 tree passes reorder arithmetic; on tiny random models with peaked logits the outputs still agree
-    assert [r.token_ids for r in clover] == [r.token_ids for r in vanilla]
+    prompts = random_prompts(6, 4, engine.spec.vocab_size, 2, 10)  # seed 6: one fp16 near-tie flip (gap 0.014)
+    requests = [GenerationRequest(p, 24, stop_token_ids=()) for p in prompts]
+    vanilla = SpeculativeDecoder(engine, "vanilla").generate(requests)
+    clover = SpeculativeDecoder(engine, "clover").generate(requests)
+    assert sum(sum(r.stats.depth_tried) for r in clover) > 0
+    reference = hf_greedy(checkpoint, prompts, 24)
+    cfg, flips = engine.spec, []
+    for prompt, ref, v, c in zip(prompts, reference, vanilla, clover):
+        # the fp16 engine's logits along the reference path: finite, and within the stated error
+        full = prompt + ref
+        empty = [torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=cfg.dtype)] * cfg.num_kv_layers
+        logits = engine.target(torch.tensor([full]), torch.arange(len(full))[None], torch.zeros(1, dtype=torch.int32),
+                               causal_packed_mask(1, len(full)), empty, empty).logits[0, len(prompt) - 1: -1]
+        assert torch.isfinite(logits).all()
+        error = float((logits.float() - hf_next_logits(checkpoint, prompt, ref)).abs().max())
+        assert error < FP16_LOGIT_ERROR, error
+        for name, result in (("vanilla", v), ("clover", c)):
+            assert len(result.token_ids) == 24
+            for position, deficit, gap in greedy_deviations(checkpoint, prompt, result.token_ids):
+                assert deficit < 2 * FP16_LOGIT_ERROR, (name, prompt, position, deficit)
+                flips.append((name, position, round(deficit, 4)))
+    print(f"fp16 near-tie flips against the fp32 reference: {flips}")
+    assert sum(r.token_ids == ref for r, ref in zip(vanilla + clover, reference * 2)) >= 6  # mostly exact
 
 
 @pytest.mark.parametrize("method", ["clover", "medusa"])
@@ -236,10 +276,9 @@ def test_int8_draft_step_is_lossless_and_close_to_fp32(checkpoints, engines, tmp
     want, got = fp32.draft_step(hidden, token, 1), int8.draft_step(hidden, token, 1)
     assert float((got.next_hidden - want.next_hidden).norm() / want.next_hidden.norm()) < 0.02
     assert (got.topk_ids[:, 0] == want.topk_ids[:, 0]).float().mean() >= 0.8  # measured 0.92-0.94 on these seeds
-    torch_engine = _torch_engine(checkpoints["llama"], fp32_dir)
     prompts = random_prompts(6, 3, int8.spec.vocab_size, 2, 20)
     results = SpeculativeDecoder(int8, method, TreeConfig(budget=6)).generate(
         [GenerationRequest(p, max_new_tokens=24, stop_token_ids=()) for p in prompts])
-    assert [r.token_ids for r in results] == vanilla_greedy(torch_engine, prompts, 24)
+    assert [r.token_ids for r in results] == hf_greedy(checkpoints["llama"], prompts, 24)
     with pytest.raises(ConfigError, match="onnxruntime fp32"):
         build_engine(tmp_path / "fp16", str(checkpoints["llama"]), str(heads), dtype="fp16", draft_int8=True, **quiet)

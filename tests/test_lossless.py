@@ -1,4 +1,8 @@
-"""Speculative greedy decoding equals vanilla greedy decoding, token for token."""
+"""Speculative greedy decoding equals vanilla greedy decoding, token for token.
+
+The reference is transformers ``generate()`` on the same weights (tests/helpers.py::hf_greedy), independent
+of clover's decode loop; clover's own vanilla decoding is checked against it too.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from clover.backends.torch import TorchEngine
 from clover.config import TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from tests.conftest import make_drafter, make_target
-from tests.helpers import OracleEngine, random_prompts, vanilla_greedy
+from tests.helpers import OracleEngine, hf_greedy, random_prompts, vanilla_greedy
 
 MAX_NEW = 24
 
@@ -27,7 +31,8 @@ def test_random_clover_heads_equal_vanilla(seed, num_heads, budget, batch):
     target = make_target(seed=seed)
     engine = TorchEngine(target, make_drafter(target, num_heads=num_heads, seed=seed + 10), max_seq_len=128)
     prompts = random_prompts(seed, batch, target.config.vocab_size, 1, 24)
-    expected = vanilla_greedy(engine, prompts, MAX_NEW)
+    expected = hf_greedy(target, prompts, MAX_NEW)
+    assert vanilla_greedy(engine, prompts, MAX_NEW) == expected
     results = _generate(engine, "clover", prompts, TreeConfig(budget=budget))
     assert [r.token_ids for r in results] == expected
     # the trees were really speculative: some step had more than one node
@@ -39,7 +44,8 @@ def test_other_drafters_equal_vanilla(method):
     target = make_target(seed=5)
     engine = TorchEngine(target, make_drafter(target, method=method, num_heads=3), max_seq_len=128)
     prompts = random_prompts(5, 3, target.config.vocab_size, 2, 16)
-    expected = vanilla_greedy(engine, prompts, MAX_NEW)
+    expected = hf_greedy(target, prompts, MAX_NEW)
+    assert vanilla_greedy(engine, prompts, MAX_NEW) == expected
     family = "medusa" if method == "medusa" else "clover"
     assert [r.token_ids for r in _generate(engine, family, prompts, TreeConfig(budget=6))] == expected
 
@@ -50,7 +56,7 @@ def test_static_tree_equals_vanilla():
     prompts = random_prompts(6, 3, target.config.vocab_size, 2, 16)
     choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     results = _generate(engine, "medusa", prompts, TreeConfig(static_choices=choices))
-    assert [r.token_ids for r in results] == vanilla_greedy(engine, prompts, MAX_NEW)
+    assert [r.token_ids for r in results] == hf_greedy(target, prompts, MAX_NEW)
     assert max(r.stats.depth_tried[2] for r in results) > 0
 
 
@@ -60,7 +66,8 @@ def test_oracle_drafter_accepts_everything(num_heads, batch):
     target = make_target(seed=7)
     inner = TorchEngine(target, None, max_seq_len=128)
     prompts = random_prompts(7 + batch, batch, target.config.vocab_size, 3, 12)
-    expected = vanilla_greedy(inner, prompts, MAX_NEW)
+    expected = hf_greedy(target, prompts, MAX_NEW)
+    assert vanilla_greedy(inner, prompts, MAX_NEW) == expected
     oracle = OracleEngine(inner, prompts, expected, num_heads=num_heads)
     results = _generate(oracle, "clover", prompts, TreeConfig(budget=num_heads + 2))
     assert [r.token_ids for r in results] == expected
@@ -80,7 +87,7 @@ def test_batched_equals_solo_with_mixed_lengths_and_joins():
     results = decoder.generate([GenerationRequest(p, max_new_tokens=n, stop_token_ids=())
                                 for p, n in zip(prompts, lengths)])
     for prompt, n, r in zip(prompts, lengths, results):
-        assert r.token_ids == vanilla_greedy(engine, [prompt], n)[0]
+        assert r.token_ids == hf_greedy(target, [prompt], n)[0]
         assert len(r.token_ids) == n and r.finish_reason == "length"
 
 
@@ -88,11 +95,12 @@ def test_per_sequence_stop_on_eos():
     target = make_target(seed=9)
     engine = TorchEngine(target, make_drafter(target, num_heads=3), max_seq_len=128)
     prompts = random_prompts(9, 3, target.config.vocab_size, 2, 10)
-    reference = vanilla_greedy(engine, prompts, 30)
+    reference = hf_greedy(target, prompts, 30)
     # choose, per sequence, a token that first appears at a different place as its EOS
     eos = reference[0][10]
     results = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4)).generate(
         [GenerationRequest(p, max_new_tokens=30, stop_token_ids=(eos,)) for p in prompts])
+    assert [r.token_ids for r in results] == hf_greedy(target, prompts, 30, stop_token_ids=(eos,))
     for ref, r in zip(reference, results):
         cut = ref.index(eos) + 1 if eos in ref else len(ref)
         assert r.token_ids == ref[:cut]
@@ -103,7 +111,7 @@ def test_kv_cache_equals_vanilla_cache_after_acceptance():
     target = make_target(seed=10)
     engine = TorchEngine(target, make_drafter(target, num_heads=3), max_seq_len=128)
     prompts = random_prompts(10, 2, target.config.vocab_size, 4, 10)
-    expected = vanilla_greedy(engine, prompts, 12)
+    expected = hf_greedy(target, prompts, 12)
     oracle = OracleEngine(engine, prompts, expected, num_heads=3)
     for eng in (engine, oracle):  # random heads (few accepted) and oracle heads (all accepted)
         decoder = SpeculativeDecoder(eng, "clover", TreeConfig(budget=5))
@@ -133,7 +141,7 @@ def test_cancel_leaves_batch_and_others_unchanged():
     target = make_target(seed=11)
     engine = TorchEngine(target, make_drafter(target, num_heads=2), max_seq_len=128)
     prompts = random_prompts(11, 3, target.config.vocab_size, 2, 10)
-    expected = vanilla_greedy(engine, prompts, 20)
+    expected = hf_greedy(target, prompts, 20)
     decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4))
     ids = [decoder.submit(GenerationRequest(p, max_new_tokens=20, stop_token_ids=())) for p in prompts]
     tokens = {i: [] for i in ids}
@@ -169,4 +177,21 @@ def test_max_seq_len_ends_sequence_with_length():
         [GenerationRequest(prompt, max_new_tokens=100, stop_token_ids=())])[0]
     assert result.finish_reason == "length"
     assert len(prompt) + len(result.token_ids) <= 40
-    assert result.token_ids == vanilla_greedy(engine, [prompt], len(result.token_ids))[0]
+    assert result.token_ids == hf_greedy(target, [prompt], len(result.token_ids))[0]
+
+
+def test_step_events_carry_each_decode_steps_counts():
+    target = make_target(seed=13)
+    engine = TorchEngine(target, make_drafter(target, num_heads=3), max_seq_len=128)
+    prompts = random_prompts(13, 3, target.config.vocab_size, 2, 10)
+    events = []
+    results = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4)).generate(
+        [GenerationRequest(p, max_new_tokens=20, stop_token_ids=(), request_id=i) for i, p in enumerate(prompts)],
+        on_event=events.append)
+    for i, result in enumerate(results):
+        decode_events = [e for e in events if e.request_id == i and e.decode_step]
+        assert [e.accepted_draft_tokens for e in decode_events] == result.stats.accepted_per_step
+        assert sum(e.draft_tokens for e in decode_events) == result.stats.num_draft_tokens > 0
+        assert len(decode_events) == result.stats.num_steps
+    first_events = {e.request_id: e for e in reversed(events)}  # each request's first event: its prompt pass
+    assert not any(e.decode_step or e.draft_tokens for e in first_events.values())

@@ -162,9 +162,9 @@ def test_each_bad_input_gets_its_own_error_and_the_server_keeps_serving(server, 
 
     http = HttpClient(server.http_url)
     http_cases = [
-        ({"text_input": "", "max_tokens": 5}, "text_input is empty"),
-        ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be >= 1"),
-        ({"text_input": "hi", "max_tokens": -3}, "max_tokens must be >= 1"),
+        ({"text_input": "", "max_tokens": 5}, "the prompt is empty"),
+        ({"text_input": "hi", "max_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ({"text_input": "hi", "max_tokens": -3}, "max_new_tokens must be >= 1, got -3"),
         ({"text_input": "hi", "max_tokens": 100000}, "larger than the engine's context"),
         ({"text_input": "x" * 400, "max_tokens": 5}, "the prompt is"),
         ({"text_input": "hi", "max_tokens": 5, "temperature": -1.0}, "temperature must be >= 0"),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from clover.config import ConfigError
-from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.decode import GenerationRequest, SpeculativeDecoder, cut_at_stop
 from clover.serving.batcher import InflightBatcher, TextStream
 from clover.serving.protocol import (INPUTS, PARAMETERS, RequestError, RequestLimits, model_parameters, parse_request,
                                      render_model_config)
@@ -102,11 +102,11 @@ def test_parse_request_reads_every_input():
     ({"text_input": None}, "missing required input 'text_input'"),
     ({"max_tokens": None}, "missing required input 'max_tokens'"),
     ({"text_input": np.array([b"\xff\xfe bad"], dtype=object)}, "not valid UTF-8"),
-    ({"text_input": np.array([b""], dtype=object)}, "text_input is empty"),
+    ({"text_input": np.array([b""], dtype=object)}, "the prompt is empty"),
     ({"text_input": np.array([b"a", b"b"], dtype=object)}, "exactly one value"),
     ({"text_input": np.array([3], np.int32)}, "must be BYTES"),
-    ({"max_tokens": np.array([0], np.int32)}, "max_tokens must be >= 1"),
-    ({"max_tokens": np.array([-5], np.int32)}, "max_tokens must be >= 1"),
+    ({"max_tokens": np.array([0], np.int32)}, "max_new_tokens must be >= 1, got 0"),
+    ({"max_tokens": np.array([-5], np.int32)}, "max_new_tokens must be >= 1, got -5"),
     ({"max_tokens": np.array([10**6], np.int32)}, "larger than the engine's context of 64"),
     ({"max_tokens": np.array([2.5], np.float32)}, "must be an integer"),
     ({"max_tokens": np.array([[1, 2]], np.int32)}, "exactly one value"),
@@ -157,6 +157,12 @@ def test_text_stream_flushes_at_the_end():
     assert stream.push([], True) == "\ufffd"
 
 
+def test_cut_at_stop_ends_the_text_before_the_earliest_stop_string():
+    assert cut_at_stop("xabcde", ("cd", "bcde")) == "xa"  # the earliest start wins, whatever the order
+    assert cut_at_stop("xabcde", ["de"]) == "xabc"
+    assert cut_at_stop("xabcde", ("", "q")) == "xabcde"  # an empty stop string never matches
+
+
 # -- the in-flight batcher --------------------------------------------------------------------------
 
 
@@ -205,7 +211,7 @@ def _wait_until(condition, timeout=30.0):
 
 
 def _request(tokenizer, prompt, max_tokens, **kwargs):
-    from clover.cli import encode_prompt
+    from clover.prompts import encode_prompt
 
     return GenerationRequest(encode_prompt(tokenizer, prompt), max_new_tokens=max_tokens, **kwargs)
 
@@ -339,13 +345,76 @@ def test_shutdown_ends_running_requests_with_an_error(ort_engine):
 def test_submit_rejects_what_the_decoder_would(ort_engine):
     tokenizer = ort_engine[1]
     with _batcher(ort_engine) as batcher:
-        with pytest.raises(ValueError, match="empty prompt"):
+        with pytest.raises(ConfigError, match="the prompt is empty"):
             batcher.submit(GenerationRequest([], 5), _Collector())
         with pytest.raises(ValueError, match="max_new_tokens"):
             batcher.submit(GenerationRequest([1], 0), _Collector())
         with pytest.raises(ValueError, match="does not fit"):
             batcher.submit(GenerationRequest([1] * 300, 5), _Collector())
         assert batcher.metrics().requests_submitted == 0
+
+
+class _ChatTok(_Tok):
+    """Wraps every message in template tokens, as chat templates do: even empty text encodes to tokens."""
+
+    chat_template = "<s>{{ content }}</s>"
+
+    def apply_chat_template(self, messages, add_generation_prompt, return_dict):
+        return [1, *messages[0]["content"].encode(), 2]
+
+
+def test_cli_decoder_batcher_and_server_refuse_an_empty_prompt_alike(ort_engine, tmp_path, capsys):
+    from clover.cli import main
+
+    engine, tokenizer = ort_engine
+    empty_file = tmp_path / "prompts.jsonl"
+    empty_file.write_text('{"id": 1, "prompt": "hi"}\n{"id": 2, "prompt": ""}\n')
+    cli_errors = []
+    for source in (["--prompt", ""], ["--prompts-file", str(empty_file)]):
+        # checked before a model is loaded: tmp_path holds none, so any other check would fail differently
+        assert main(["generate", "--target", str(tmp_path), *source]) == 2
+        cli_errors.append(capsys.readouterr().err.strip())
+    assert cli_errors == ["clover: error: the prompt is empty"] * 2
+
+    with pytest.raises(ConfigError) as decoder_error:
+        SpeculativeDecoder(engine, "clover", tokenizer=tokenizer).submit(GenerationRequest([], 5))
+    with _batcher(ort_engine) as batcher, pytest.raises(ConfigError) as batcher_error:
+        batcher.submit(GenerationRequest([], 5), _Collector())
+    with pytest.raises(RequestError) as server_error:  # the text is checked, not its chat-template tokens
+        parse_request(_get(text_input=np.array([b""], dtype=object)), _ChatTok(), LIMITS)
+    messages = {str(e.value) for e in (decoder_error, batcher_error, server_error)}
+    assert messages == {"the prompt is empty"}
+
+
+def test_request_stats_count_the_decoders_steps(ort_engine):
+    engine, tokenizer = ort_engine
+    request = _request(tokenizer, PROMPTS[2], 30, stop_token_ids=())
+    solo = SpeculativeDecoder(engine, "clover", tokenizer=tokenizer).generate([request])[0].stats
+    collector = _Collector()
+    with _batcher(ort_engine) as batcher:
+        batcher.submit(request, collector)
+        assert collector.done.wait(30)
+        metrics = batcher.metrics()
+    first, final = collector.updates[0].stats, collector.final.stats
+    # the prefill and the first decode step run in one step: its first update already counts that decode step
+    assert (first.output_tokens, first.decode_steps) == (1, 1)
+    counts = (solo.num_steps, solo.num_draft_tokens, sum(solo.accepted_per_step))
+    assert (final.decode_steps, final.draft_tokens, final.accepted_draft_tokens) == counts
+    assert (metrics.sequence_steps, metrics.draft_tokens, metrics.accepted_draft_tokens) == counts
+    assert metrics.batch_steps == solo.num_steps
+    assert final.tokens_per_step == pytest.approx(29 / solo.num_steps)
+
+
+def test_tokens_per_step_leaves_out_each_prompt_pass_token():
+    from clover.client import Result
+    from clover.stats import tokens_per_step
+    from clover.serving.batcher import RequestStats
+
+    assert tokens_per_step(9, 4) == 2.0 and tokens_per_step(12, 4, sequences=4) == 2.0
+    assert tokens_per_step(1, 0) == 0.0  # no decode step yet
+    assert RequestStats(output_tokens=9, decode_steps=4).tokens_per_step == 2.0
+    assert Result("", list(range(9)), "length", {"num_decode_steps": 4}, 1.0, None, 1).tokens_per_step == 2.0
+    assert Result("", list(range(9)), "length", None, 1.0, None, 1).tokens_per_step == 0.0  # no perf metrics
 
 
 # -- the Triton model logic, with a stand-in for triton_python_backend_utils -------------------------
@@ -463,7 +532,7 @@ def test_triton_model_logic_streams_batches_and_rejects(tiny_engine_dir, referen
             assert request.sender.closed.wait(30)
     finally:
         model.finalize()
-    assert len(bad.sender.responses) == 1 and "max_tokens must be >= 1" in bad.sender.responses[0].error.message
+    assert len(bad.sender.responses) == 1 and "max_new_tokens must be >= 1" in bad.sender.responses[0].error.message
     assert bad.sender.responses[0].error.code == FakePbUtils.TritonError.INVALID_ARG
 
     expected = reference(PROMPTS[2], 25)
@@ -532,7 +601,7 @@ def test_triton_model_load_errors_name_the_problem(tmp_path, tiny_engine_dir):
 
 
 def test_default_engine_dir(monkeypatch, tmp_path):
-    from clover.serving.engines import resolve_engine_dir
+    from clover.serving.served_engine import resolve_engine_dir
 
     monkeypatch.delenv("CLOVER_ENGINE_DIR", raising=False)
     assert resolve_engine_dir("", tmp_path) == tmp_path / "engines" / "demo"

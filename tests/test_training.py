@@ -265,7 +265,7 @@ def test_hidden_cache_round_trip_and_resume(tiny, distilled, tmp_path):
 
 
 def test_hidden_cache_from_onnxruntime_feature_engine(tiny, distilled, tmp_path):
-    from clover.export.engine_dir import build_engine
+    from clover.export.builder import build_engine
 
     target = tiny["target"]
     quiet = dict(progress=lambda message: None)

@@ -3,7 +3,7 @@ import torch
 
 from clover.attention import unpack_mask
 from clover.config import ConfigError, TreeConfig
-from clover.engine import DraftResult
+from clover.engine_contract import DraftResult
 from clover.tree import TokenTree, batch_trees, build_trees
 
 

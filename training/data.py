@@ -1,4 +1,4 @@
-"""Build the prompt set for self-distillation from offline sources (DESIGN §5).
+"""Build the prompt set for self-distillation from offline sources (docs/demo.md#offline-training-data).
 
     python training/data.py --output data/prompts
 
@@ -536,83 +536,103 @@ def _money(x: float) -> str:
     return f"{x:.2f}"
 
 
+# word problems for gen_math: each takes the generator's rng and returns (question, expected answer)
+_MATH_NAMES = ["Sam", "Lisa", "Omar", "Mei", "Carlos", "Ana", "Ravi", "Emma", "Kofi", "Yuki", "Noah", "Zara"]
+_MATH_ITEMS = ["apples", "pencils", "books", "marbles", "cookies", "stickers", "oranges", "cards"]
+_MATH_STYLES = ["Show your reasoning step by step.", "Explain your reasoning, then give the final answer.",
+                "Answer with a short explanation.", ""]
+
+
+def _math_change(rng: random.Random) -> tuple[str, str]:
+    price, n = rng.randint(2, 40) / 4, rng.randint(2, 9)
+    bill = 50 if price * n < 50 else 100
+    q = (f"{rng.choice(_MATH_NAMES)} buys {n} notebooks at ${_money(price)} each and pays with a ${bill} bill. "
+         "How much change does he or she get?")
+    return q, _money(bill - price * n)
+
+
+def _math_distance(rng: random.Random) -> tuple[str, str]:
+    s, h = rng.randint(30, 120), rng.randint(2, 9)
+    return f"A train travels at {s} km/h for {h} hours. How far does it travel?", f"{s * h} km"
+
+
+def _math_percent(rng: random.Random) -> tuple[str, str]:
+    p, n = rng.choice([5, 10, 15, 20, 25, 30, 40, 50, 75]), rng.randint(2, 60) * 20
+    return f"What is {p}% of {n}?", f"{p * n / 100:g}"
+
+
+def _math_inventory(rng: random.Random) -> tuple[str, str]:
+    name, item = rng.choice(_MATH_NAMES), rng.choice(_MATH_ITEMS)
+    a, b, c = rng.randint(10, 50), rng.randint(1, 9), rng.randint(1, 20)
+    return (f"{name} has {a} {item}, gives {b} to a friend and then buys {c} more. How many {item} does "
+            f"{name} have now?", str(a - b + c))
+
+
+def _math_sum_diff(rng: random.Random) -> tuple[str, str]:
+    x, y = rng.randint(10, 90), rng.randint(1, 50)
+    hi, lo = max(x, y), min(x, y)
+    return (f"The sum of two numbers is {hi + lo} and their difference is {hi - lo}. What are the two numbers?",
+            f"{hi} and {lo}")
+
+
+def _math_rectangle(rng: random.Random) -> tuple[str, str]:
+    w, l = rng.randint(2, 20), rng.randint(3, 30)
+    return (f"A rectangle is {l} cm long and {w} cm wide. What are its area and perimeter?",
+            f"area {l * w} cm^2, perimeter {2 * (l + w)} cm")
+
+
+def _math_workers(rng: random.Random) -> tuple[str, str]:
+    x, d = rng.randint(2, 8), rng.randint(2, 12)
+    y = rng.choice([k for k in range(2, 13) if (x * d) % k == 0 and k != x] or [x])
+    return (f"{x} workers can build a wall in {d} days. Working at the same rate, how many days would {y} "
+            "workers need?", f"{x * d // y:g}" if (x * d) % y == 0 else f"{x * d / y:.2f}")
+
+
+def _math_linear(rng: random.Random) -> tuple[str, str]:
+    x, a, b = rng.randint(-9, 12), rng.randint(2, 9), rng.randint(-20, 20)
+    return f"Solve for x: {a}x {'+' if b >= 0 else '-'} {abs(b)} = {a * x + b}.", f"x = {x}"
+
+
+def _math_sequence(rng: random.Random) -> tuple[str, str]:
+    a, d = rng.randint(1, 20), rng.randint(2, 11)
+    seq = ", ".join(str(a + d * k) for k in range(5))
+    return f"What is the next number in the sequence {seq}, ...?", str(a + 5 * d)
+
+
+def _math_average(rng: random.Random) -> tuple[str, str]:
+    nums = [rng.randint(1, 100) for _ in range(rng.randint(3, 6))]
+    return (f"What is the average of {', '.join(map(str, nums))}?",
+            f"{sum(nums) / len(nums):g}" if sum(nums) % len(nums) == 0 else f"{sum(nums) / len(nums):.2f}")
+
+
+def _math_ages(rng: random.Random) -> tuple[str, str]:
+    a, k = rng.randint(5, 15), rng.randint(2, 4)
+    return (f"{rng.choice(_MATH_NAMES)}'s mother is {k} times as old as {rng.choice(_MATH_NAMES)}, who is {a}. "
+            "How old will the mother be in 5 years?", str(k * a + 5))
+
+
+def _math_minutes(rng: random.Random) -> tuple[str, str]:
+    h1, m1, dur = rng.randint(6, 18), rng.choice([0, 10, 15, 20, 30, 45]), rng.randint(25, 200)
+    end = h1 * 60 + m1 + dur
+    return (f"A film starts at {h1:02d}:{m1:02d} and lasts {dur} minutes. At what time does it end?",
+            f"{end // 60 % 24:02d}:{end % 60:02d}")
+
+
+# (task name, problem), in the order gen_math cycles through them
+_MATH_PROBLEMS = (("change", _math_change), ("distance", _math_distance), ("percent", _math_percent),
+                 ("inventory", _math_inventory), ("sum_diff", _math_sum_diff), ("rectangle", _math_rectangle),
+                 ("workers", _math_workers), ("linear", _math_linear), ("sequence", _math_sequence),
+                 ("average", _math_average), ("ages", _math_ages), ("minutes", _math_minutes))
+
+
 def gen_math(count: int, rng: random.Random) -> Iterable[Prompt]:
-    """Word problems with checkable answers (``answer`` holds the expected result)."""
-    names = ["Sam", "Lisa", "Omar", "Mei", "Carlos", "Ana", "Ravi", "Emma", "Kofi", "Yuki", "Noah", "Zara"]
-    items = ["apples", "pencils", "books", "marbles", "cookies", "stickers", "oranges", "cards"]
-    styles = ["Show your reasoning step by step.", "Explain your reasoning, then give the final answer.",
-              "Answer with a short explanation.", ""]
-
-    def change():
-        price, n = rng.randint(2, 40) / 4, rng.randint(2, 9)
-        bill = 50 if price * n < 50 else 100
-        q = (f"{rng.choice(names)} buys {n} notebooks at ${_money(price)} each and pays with a ${bill} bill. "
-             "How much change does he or she get?")
-        return q, _money(bill - price * n)
-
-    def distance():
-        s, h = rng.randint(30, 120), rng.randint(2, 9)
-        return f"A train travels at {s} km/h for {h} hours. How far does it travel?", f"{s * h} km"
-
-    def percent():
-        p, n = rng.choice([5, 10, 15, 20, 25, 30, 40, 50, 75]), rng.randint(2, 60) * 20
-        return f"What is {p}% of {n}?", f"{p * n / 100:g}"
-
-    def inventory():
-        name, item = rng.choice(names), rng.choice(items)
-        a, b, c = rng.randint(10, 50), rng.randint(1, 9), rng.randint(1, 20)
-        return (f"{name} has {a} {item}, gives {b} to a friend and then buys {c} more. How many {item} does "
-                f"{name} have now?", str(a - b + c))
-
-    def sum_diff():
-        x, y = rng.randint(10, 90), rng.randint(1, 50)
-        hi, lo = max(x, y), min(x, y)
-        return (f"The sum of two numbers is {hi + lo} and their difference is {hi - lo}. What are the two numbers?",
-                f"{hi} and {lo}")
-
-    def rectangle():
-        w, l = rng.randint(2, 20), rng.randint(3, 30)
-        return (f"A rectangle is {l} cm long and {w} cm wide. What are its area and perimeter?",
-                f"area {l * w} cm^2, perimeter {2 * (l + w)} cm")
-
-    def workers():
-        x, d = rng.randint(2, 8), rng.randint(2, 12)
-        y = rng.choice([k for k in range(2, 13) if (x * d) % k == 0 and k != x] or [x])
-        return (f"{x} workers can build a wall in {d} days. Working at the same rate, how many days would {y} "
-                "workers need?", f"{x * d // y:g}" if (x * d) % y == 0 else f"{x * d / y:.2f}")
-
-    def linear():
-        x, a, b = rng.randint(-9, 12), rng.randint(2, 9), rng.randint(-20, 20)
-        return f"Solve for x: {a}x {'+' if b >= 0 else '-'} {abs(b)} = {a * x + b}.", f"x = {x}"
-
-    def sequence():
-        a, d = rng.randint(1, 20), rng.randint(2, 11)
-        seq = ", ".join(str(a + d * k) for k in range(5))
-        return f"What is the next number in the sequence {seq}, ...?", str(a + 5 * d)
-
-    def average():
-        nums = [rng.randint(1, 100) for _ in range(rng.randint(3, 6))]
-        return (f"What is the average of {', '.join(map(str, nums))}?",
-                f"{sum(nums) / len(nums):g}" if sum(nums) % len(nums) == 0 else f"{sum(nums) / len(nums):.2f}")
-
-    def ages():
-        a, k = rng.randint(5, 15), rng.randint(2, 4)
-        return (f"{rng.choice(names)}'s mother is {k} times as old as {rng.choice(names)}, who is {a}. How old will "
-                f"the mother be in 5 years?", str(k * a + 5))
-
-    def minutes():
-        h1, m1, dur = rng.randint(6, 18), rng.choice([0, 10, 15, 20, 30, 45]), rng.randint(25, 200)
-        end = h1 * 60 + m1 + dur
-        return (f"A film starts at {h1:02d}:{m1:02d} and lasts {dur} minutes. At what time does it end?",
-                f"{end // 60 % 24:02d}:{end % 60:02d}")
-
-    generators = [change, distance, percent, inventory, sum_diff, rectangle, workers, linear, sequence, average,
-                  ages, minutes]
+    """Word problems with checkable answers (``answer`` holds the expected result), the kinds in turn."""
     for i in range(count):
-        question, answer = generators[i % len(generators)]()
-        style = rng.choice(styles)
+        task, problem = _MATH_PROBLEMS[i % len(_MATH_PROBLEMS)]
+        question, answer = problem(rng)
+        style = rng.choice(_MATH_STYLES)
         text = question + (" " + style if style else "")
-        yield Prompt("math", user(text), "generated", f"math:{i}", generators[i % len(generators)].__name__, answer)
+        yield Prompt("math", user(text), "generated", f"math:{i}", task, answer)
 
 
 def gen_extraction(passages: list[Passage], rng: random.Random) -> Iterable[Prompt]:

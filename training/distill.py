@@ -106,21 +106,8 @@ def distill(prompts: list[dict], output: Path, engine, tokenizer, *, max_new_tok
     ordered = sorted(prompts, key=lambda r: order_key(r["id"], seed))
     if limit is not None:
         ordered = ordered[:limit]
-    todo, skipped = [], []
-    max_prompt = min(max_prompt_tokens, engine.spec.max_seq_len - 2)
-    for record in ordered:
-        if record["id"] in finished:
-            continue
-        ids = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, return_dict=False)
-        if len(ids) > max_prompt:
-            skipped.append(record["id"])
-            continue
-        todo.append((record, list(ids)))
-    # Within windows of the fixed order, short prompts first: sequences decoded together then have similar
-    # lengths, and a decode step's attention cost follows the longest live row. The set answered by any
-    # prefix of windows stays category-mixed.
-    for start in range(0, len(todo), length_window):
-        todo[start : start + length_window] = sorted(todo[start : start + length_window], key=lambda t: len(t[1]))
+    todo, skipped = _prompts_to_answer(ordered, finished, tokenizer,
+                                       min(max_prompt_tokens, engine.spec.max_seq_len - 2), length_window)
     counts = {"total": len(ordered), "already_done": sum(r["id"] in finished for r in ordered),
               "skipped_too_long": len(skipped), "written": 0, "new_tokens": 0}
     if not todo:
@@ -147,12 +134,7 @@ def distill(prompts: list[dict], output: Path, engine, tokenizer, *, max_new_tok
                 record, ids, plan = by_seq.pop(event.seq_id)
                 response = generated.pop(event.seq_id)
                 text = tokenizer.decode(response, skip_special_tokens=True).strip()
-                out = {"id": record["id"], "category": record["category"], "task": record.get("task"),
-                       "messages": record["messages"] + [{"role": "assistant", "content": text}],
-                       "prompt_ids": ids, "response_ids": response, "finish_reason": event.finish_reason,
-                       "sampling": plan}
-                if "answer" in record:
-                    out["answer"] = record["answer"]
+                out = _answered_record(record, ids, response, text, event.finish_reason, plan)
                 f.write(json.dumps(out, ensure_ascii=False) + "\n")
                 f.flush()
                 counts["written"] += 1
@@ -163,6 +145,37 @@ def distill(prompts: list[dict], output: Path, engine, tokenizer, *, max_new_tok
     bar.close()
     counts["seconds"] = round(time.monotonic() - start, 1)
     return counts
+
+
+def _prompts_to_answer(ordered: list[dict], finished: set[str], tokenizer, max_prompt: int,
+                       length_window: int) -> tuple[list[tuple[dict, list[int]]], list[str]]:
+    """(record, prompt ids) of the prompts still to answer, in decode order; and the ids of those too long."""
+    todo, skipped = [], []
+    for record in ordered:
+        if record["id"] in finished:
+            continue
+        ids = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, return_dict=False)
+        if len(ids) > max_prompt:
+            skipped.append(record["id"])
+            continue
+        todo.append((record, list(ids)))
+    # Within windows of the fixed order, short prompts first: sequences decoded together then have similar
+    # lengths, and a decode step's attention cost follows the longest live row. The set answered by any
+    # prefix of windows stays category-mixed.
+    for start in range(0, len(todo), length_window):
+        todo[start : start + length_window] = sorted(todo[start : start + length_window], key=lambda t: len(t[1]))
+    return todo, skipped
+
+
+def _answered_record(record: dict, prompt_ids: list[int], response: list[int], text: str, finish_reason: str,
+                     sampling: dict) -> dict:
+    """One line of the output JSONL: the prompt record with the target's answer appended."""
+    out = {"id": record["id"], "category": record["category"], "task": record.get("task"),
+           "messages": record["messages"] + [{"role": "assistant", "content": text}],
+           "prompt_ids": prompt_ids, "response_ids": response, "finish_reason": finish_reason, "sampling": sampling}
+    if "answer" in record:
+        out["answer"] = record["answer"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

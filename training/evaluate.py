@@ -130,7 +130,7 @@ def decode_engine(target_dir, drafter_dir: Path, backend: str, work_dir: Path, *
 
         return TorchEngine(target, drafter.float().cpu().eval(), max_seq_len=max_seq)
     from clover.backends.onnxruntime import OnnxRuntimeEngine
-    from clover.export.engine_dir import build_engine
+    from clover.export.builder import build_engine
 
     build_engine(work_dir, str(target_dir), str(drafter_dir), max_seq=max_seq, max_batch=max_batch,
                  overwrite=True, progress=lambda message: None)
@@ -144,8 +144,8 @@ def decode_eval(engine, tokenizer, records: list[dict], *, tree_budget: int = 4,
 
     from clover.decode import GenerationRequest, SpeculativeDecoder
 
-    method = "medusa" if engine.spec.drafter_method == "medusa" else "clover"
-    decoder = SpeculativeDecoder(engine, method, tree=TreeConfig(budget=tree_budget), tokenizer=tokenizer,
+    method = engine.spec.default_method
+    decoder = SpeculativeDecoder(engine, method, tree=TreeConfig(budget=tree_budget, adaptive=False), tokenizer=tokenizer,
                                  max_batch_size=batch_size)
     requests, cats = [], []
     for record in records:
@@ -280,7 +280,7 @@ def parse_heads(values: list[str]) -> dict[str, Path]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", action="append", required=True, help="NAME=DIR of trained heads (repeatable)")
     parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo'")
@@ -301,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.cache and not args.prompts:
         parser.error("pass --cache (teacher-forced accuracy) and/or --prompts (decoding)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     from clover.config import ConfigError
     from clover.demo import resolve_target

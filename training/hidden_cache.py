@@ -80,7 +80,7 @@ def target_hidden_states(target, input_ids):
 class OnnxFeatures:
     """The same two hidden states from an onnxruntime *feature engine* (about 2x faster than torch on CPU).
 
-    A feature engine is an ordinary engine directory (``clover.export.engine_dir.build_engine``)
+    A feature engine is an ordinary engine directory (``clover.export.builder.build_engine``)
     whose Augmenting Block is an exact identity (its attention output and MLP
     down projections are zero), so its ``h0`` output is the input of the target's
     last layer. :func:`make_feature_engine` builds one. ``last_hidden`` is then
@@ -138,7 +138,7 @@ def make_feature_engine(output: str | Path, target_dir: str | Path, max_seq: int
     import torch
 
     from clover.drafters import Drafter, save_drafter
-    from clover.export.engine_dir import build_engine
+    from clover.export.builder import build_engine
     from clover.target import load_target
 
     target = load_target(target_dir)
@@ -197,7 +197,6 @@ def build_cache(records: list[dict], target, output: str | Path, *, max_len: int
     instead of the torch target. ``stop_after_batches`` stops early (tests use
     it to simulate a kill).
     """
-    import torch
     from tqdm import tqdm
 
     from clover.target import target_fingerprint
@@ -213,65 +212,21 @@ def build_cache(records: list[dict], target, output: str | Path, *, max_len: int
     plan = plan_layout(records, max_len)
     if not plan:
         raise ValueError("no conversation has a response token within --max-len; nothing to cache")
-    digest = _plan_digest(plan, meta)
+    resume = _claim_plan(output, plan, meta)
     total = plan[-1]["offset"] + plan[-1]["length"]
-    plan_path = output / PLAN_FILE
-    resume = plan_path.exists()
-    if resume:
-        saved = json.loads(plan_path.read_text())
-        if saved.get("digest") != digest:
-            raise ValueError(f"{output} holds a partial cache of other conversations or settings; "
-                             "delete it or choose another --output")
-    else:
-        _write_json_atomic(plan_path, {"digest": digest, "meta": meta, "conversations": plan})
-
-    mode = "r+" if resume else "w+"
-    hidden_dtype = DTYPES[dtype]
-    arrays = {name: np.lib.format.open_memmap(output / f"{name}.npy", mode=mode, dtype=hidden_dtype,
-                                              shape=(total, cfg.hidden_size)) for name in HIDDEN_FIELDS}
-    arrays["tokens"] = np.lib.format.open_memmap(output / "tokens.npy", mode=mode, dtype=np.int32, shape=(total,))
-    arrays["assistant_mask"] = np.lib.format.open_memmap(output / "assistant_mask.npy", mode=mode, dtype=np.uint8,
-                                                         shape=(total,))
-    done = json.loads((output / PROGRESS_FILE).read_text())["done"] if resume and (output / PROGRESS_FILE).exists() else 0
+    arrays = _open_arrays(output, total, cfg.hidden_size, DTYPES[dtype], mode="r+" if resume else "w+")
+    done = _conversations_done(output) if resume else 0
     by_id = {r["id"]: r for r in records}
-
-    # batches of consecutive conversations (similar lengths) within the padded token budget
-    batches, start = [], done
-    while start < len(plan):
-        end = start + 1
-        while end < len(plan) and (end + 1 - start) * plan[end]["length"] <= batch_tokens:
-            end += 1
-        batches.append((start, end))
-        start = end
     target = target.to(device)
     bar = tqdm(total=total, initial=plan[done]["offset"] if done < len(plan) else total, unit="tok", unit_scale=True,
                disable=not progress, dynamic_ncols=True, desc="hidden cache")
     t0 = time.monotonic()
-    for n, (lo, hi) in enumerate(batches):
+    for n, (lo, hi) in enumerate(_batch_ranges(plan, done, batch_tokens)):
         if stop_after_batches is not None and n >= stop_after_batches:
             break
         items = plan[lo:hi]
-        width = max(it["length"] for it in items)
-        ids = torch.zeros(len(items), width, dtype=torch.long)
-        for row, it in enumerate(items):
-            tokens, _ = conversation_tokens(by_id[it["id"]], max_len)
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-        if features is not None:
-            last_input, last_hidden = features.hidden_states(ids)
-        else:
-            with torch.inference_mode():
-                last_input, last_hidden = target_hidden_states(target, ids.to(device))
-        last_input, last_hidden = last_input.float().cpu().numpy(), last_hidden.float().cpu().numpy()
-        for row, it in enumerate(items):
-            sl = slice(it["offset"], it["offset"] + it["length"])
-            arrays["last_layer_input"][sl] = last_input[row, : it["length"]]
-            arrays["last_hidden"][sl] = last_hidden[row, : it["length"]]
-            arrays["tokens"][sl] = ids[row, : it["length"]].numpy()
-            mask = np.zeros(it["length"], dtype=np.uint8)
-            mask[it["num_prompt"]:] = 1
-            arrays["assistant_mask"][sl] = mask
-        for array in arrays.values():
-            array.flush()
+        ids = _padded_token_ids([conversation_tokens(by_id[it["id"]], max_len)[0] for it in items])
+        _store_batch(arrays, items, ids, *_hidden_states(target, features, ids, device))
         _write_json_atomic(output / PROGRESS_FILE, {"done": hi})
         bar.update(sum(it["length"] for it in items))
     else:
@@ -282,6 +237,85 @@ def build_cache(records: list[dict], target, output: str | Path, *, max_len: int
         _write_json_atomic(output / INDEX_FILE, index)
     bar.close()
     return output
+
+
+def _claim_plan(output: Path, plan: list[dict], meta: dict) -> bool:
+    """Write ``plan.json``, or check the one a partial build left; True when resuming that build."""
+    digest = _plan_digest(plan, meta)
+    plan_path = output / PLAN_FILE
+    if not plan_path.exists():
+        _write_json_atomic(plan_path, {"digest": digest, "meta": meta, "conversations": plan})
+        return False
+    if json.loads(plan_path.read_text()).get("digest") != digest:
+        raise ValueError(f"{output} holds a partial cache of other conversations or settings; "
+                         "delete it or choose another --output")
+    return True
+
+
+def _conversations_done(output: Path) -> int:
+    """How many conversations (in plan order) an interrupted build flushed."""
+    progress_path = output / PROGRESS_FILE
+    return json.loads(progress_path.read_text())["done"] if progress_path.exists() else 0
+
+
+def _open_arrays(output: Path, total: int, hidden_size: int, hidden_dtype, mode: str) -> dict[str, np.ndarray]:
+    """The cache's memory-mapped arrays: hidden fields ``[total, H]``, tokens and assistant_mask ``[total]``."""
+    arrays = {name: np.lib.format.open_memmap(output / f"{name}.npy", mode=mode, dtype=hidden_dtype,
+                                              shape=(total, hidden_size)) for name in HIDDEN_FIELDS}
+    arrays["tokens"] = np.lib.format.open_memmap(output / "tokens.npy", mode=mode, dtype=np.int32, shape=(total,))
+    arrays["assistant_mask"] = np.lib.format.open_memmap(output / "assistant_mask.npy", mode=mode, dtype=np.uint8,
+                                                         shape=(total,))
+    return arrays
+
+
+def _batch_ranges(plan: list[dict], start: int, batch_tokens: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of consecutive conversations from ``start`` (similar lengths), each within
+    ``batch_tokens`` padded tokens (a longer conversation goes alone)."""
+    ranges = []
+    while start < len(plan):
+        end = start + 1
+        while end < len(plan) and (end + 1 - start) * plan[end]["length"] <= batch_tokens:
+            end += 1
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def _padded_token_ids(conversations: list[list[int]]):
+    """int64 ``[B, T]``: the conversations right-padded with 0 to the longest."""
+    import torch
+
+    ids = torch.zeros(len(conversations), max(len(c) for c in conversations), dtype=torch.long)
+    for row, tokens in enumerate(conversations):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+    return ids
+
+
+def _hidden_states(target, features: OnnxFeatures | None, ids, device: str) -> tuple[np.ndarray, np.ndarray]:
+    """(last_layer_input, last_hidden) float32 ``[B, T, H]`` for ``ids`` ``[B, T]``, from the feature engine if any."""
+    import torch
+
+    if features is not None:
+        last_input, last_hidden = features.hidden_states(ids)
+    else:
+        with torch.inference_mode():
+            last_input, last_hidden = target_hidden_states(target, ids.to(device))
+    return last_input.float().cpu().numpy(), last_hidden.float().cpu().numpy()
+
+
+def _store_batch(arrays: dict[str, np.ndarray], items: list[dict], ids, last_input: np.ndarray,
+                 last_hidden: np.ndarray) -> None:
+    """Write one batch's rows (``ids [B, T]``, hidden states ``[B, T, H]``) at the items' offsets, and flush."""
+    for row, it in enumerate(items):
+        sl = slice(it["offset"], it["offset"] + it["length"])
+        arrays["last_layer_input"][sl] = last_input[row, : it["length"]]
+        arrays["last_hidden"][sl] = last_hidden[row, : it["length"]]
+        arrays["tokens"][sl] = ids[row, : it["length"]].numpy()
+        mask = np.zeros(it["length"], dtype=np.uint8)
+        mask[it["num_prompt"]:] = 1
+        arrays["assistant_mask"][sl] = mask
+    for array in arrays.values():
+        array.flush()
 
 
 class HiddenCache:

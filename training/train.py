@@ -1,4 +1,4 @@
-"""Train Clover / Medusa / ablation heads on a hidden-state cache (DESIGN §1).
+"""Train Clover / Medusa / ablation heads on a hidden-state cache (docs/drafter.md#training).
 
     python training/train.py --method clover --cache data/cache/train --output runs/clover \\
         --max-tokens 600000
@@ -335,14 +335,66 @@ def _hardware(device: torch.device) -> str:
     return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
+@dataclasses.dataclass
+class _Progress:
+    """Where a run stands; saved in ``train_state.pt`` and restored on resume."""
+
+    step: int = 0
+    tokens_seen: int = 0    # assistant tokens of the batches done
+    elapsed: float = 0.0    # training seconds of the earlier sessions of this run
+
+
+class _Trainer:
+    """The drafter, its optimizer and the frozen pieces that one training step needs."""
+
+    def __init__(self, cfg: TrainConfig, target, device: torch.device) -> None:
+        self.cfg, self.target, self.device = cfg, target, device
+        self.drafter = build_drafter(cfg, target).to(device)
+        self.drafter.train()
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                           weight_decay=cfg.weight_decay)
+        self.lm_head_weight = target.lm_head.weight.detach().float().to(device)  # [V, H], frozen
+        self.weights = head_weights(cfg.num_heads, cfg.head_decay)
+
+    def step(self, batch: Batch, lr: float) -> tuple[dict, float]:
+        """One optimizer step at learning rate ``lr``; returns :func:`run_batch`'s stats and the gradient norm."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bf16"):
+            stats = run_batch(self.drafter, self.target, self.lm_head_weight, batch, row_chunk=self.cfg.row_chunk,
+                              weights=self.weights, train=True)
+        grad_norm = float("nan")  # not measured without clipping
+        if self.cfg.grad_clip:
+            grad_norm = float(nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        self.optimizer.step()
+        return stats, grad_norm
+
+    def save_state(self, path: Path, progress: _Progress, elapsed: float) -> None:
+        _save_atomic({"version": STATE_VERSION, "resume_key": self.cfg.resume_key(), "step": progress.step,
+                      "tokens": progress.tokens_seen, "elapsed": elapsed, "drafter": self.drafter.state_dict(),
+                      "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, path)
+
+    def load_state(self, path: Path) -> _Progress:
+        """Restore a checkpoint (weights, optimizer, RNG) if ``path`` holds one; the progress it had reached."""
+        if not path.exists():
+            return _Progress()
+        state = torch.load(path, map_location="cpu", weights_only=False)  # RNG state must stay on CPU
+        if state.get("version") != STATE_VERSION or state.get("resume_key") != self.cfg.resume_key():
+            raise ConfigError(f"{path} belongs to another run; use another --output or delete it")
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        return _Progress(state["step"], state["tokens"], state["elapsed"])
+
+
 def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
     """Run (or resume) training; returns the summary dict. ``on_step(step)`` runs after each step."""
     if cfg.method not in DRAFTER_METHODS:
         raise ConfigError(f"unknown method {cfg.method!r}; choose one of {', '.join(DRAFTER_METHODS)}")
     if cfg.autocast not in (None, "bf16"):
         raise ConfigError(f"autocast {cfg.autocast!r}: use bf16 or leave it unset")
-    from tqdm import tqdm
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output)
@@ -355,7 +407,26 @@ def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
     cache = HiddenCache(cfg.cache)
     cache.check_target(target)
     device = pick_device(cfg.device)
+    finished = _claim_output(cfg, out)
+    if finished is not None:
+        return finished
 
+    plan = make_plan(cache.conversations, cfg.batch_tokens, cfg.epochs, cfg.seed, cfg.bucket_size, cfg.max_tokens)
+    trainer = _Trainer(cfg, target, device)
+    progress = trainer.load_state(out / STATE_FILE)
+    _drop_log_lines_after(out / LOG_FILE, progress.step)
+    _run_steps(trainer, cache, plan, progress, out, on_step)
+    save_drafter(trainer.drafter.cpu().eval(), out, dtype=torch.float16)
+    summary = _summary(cfg, cache, plan, progress, device, out / LOG_FILE)
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _claim_output(cfg: TrainConfig, out: Path) -> dict | None:
+    """Record this run's settings in ``out``; the summary instead when the same run already completed there.
+
+    Raises ConfigError when ``out`` holds a run with other settings.
+    """
     run_config_path = out / RUN_CONFIG_FILE
     if run_config_path.exists():
         previous = json.loads(run_config_path.read_text())
@@ -370,89 +441,72 @@ def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
             return summary
     run_config_path.write_text(json.dumps({"resume_key": cfg.resume_key(), "config": dataclasses.asdict(cfg)},
                                           indent=2) + "\n")
+    return None
 
-    plan = make_plan(cache.conversations, cfg.batch_tokens, cfg.epochs, cfg.seed, cfg.bucket_size, cfg.max_tokens)
-    total_steps = len(plan)
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(100, round(0.03 * total_steps)))
-    budget_tokens = sum(assistant_tokens(cache.conversations[i]) for batch in plan for i in batch)
 
-    drafter = build_drafter(cfg, target).to(device)
-    drafter.train()
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-    lm_head_weight = target.lm_head.weight.detach().float().to(device)
-    weights = head_weights(cfg.num_heads, cfg.head_decay)
-    need_input, need_last = drafter.augment is not None, drafter.augment is None
-
-    step, tokens_seen, elapsed = 0, 0, 0.0
-    state_path = out / STATE_FILE
-    if state_path.exists():
-        state = torch.load(state_path, map_location="cpu", weights_only=False)  # RNG state must stay on CPU
-        if state.get("version") != STATE_VERSION or state.get("resume_key") != cfg.resume_key():
-            raise ConfigError(f"{state_path} belongs to another run; use another --output or delete it")
-        drafter.load_state_dict(state["drafter"])
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
-    # drop log lines past the checkpoint (they are recomputed identically)
-    log_path = out / LOG_FILE
+def _drop_log_lines_after(log_path: Path, step: int) -> None:
+    """Drop log lines past the checkpoint: the resumed run writes them again, identically."""
     if log_path.exists():
         kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
         log_path.write_text("".join(line + "\n" for line in kept))
 
-    def save_state() -> None:
-        _save_atomic({"version": STATE_VERSION, "resume_key": cfg.resume_key(), "step": step, "tokens": tokens_seen,
-                      "elapsed": elapsed + (time.monotonic() - t0), "drafter": drafter.state_dict(),
-                      "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, state_path)
 
-    window: list[dict] = []
-    bar = tqdm(total=total_steps, initial=step, unit="step", disable=not cfg.progress, dynamic_ncols=True,
+def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], progress: _Progress, out: Path,
+               on_step) -> None:
+    """Train from ``progress.step`` to the end of ``plan``: log, checkpoint and show progress as configured."""
+    from tqdm import tqdm
+
+    cfg, total_steps = trainer.cfg, len(plan)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(100, round(0.03 * total_steps)))
+    need_input = trainer.drafter.augment is not None  # the Augmenting Block runs on the last layer's input
+    window: list[dict] = []  # the last 20 steps, for the progress bar
+    bar = tqdm(total=total_steps, initial=progress.step, unit="step", disable=not cfg.progress, dynamic_ncols=True,
                desc=cfg.method)
     t0 = time.monotonic()
-    with open(log_path, "a") as log:
-        while step < total_steps:
-            batch = collate(cache, plan[step], need_input, need_last, device)
-            lr = lr_at(step, total_steps, cfg.lr, warmup, cfg.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
-                stats = run_batch(drafter, target, lm_head_weight, batch, row_chunk=cfg.row_chunk, weights=weights,
-                                  train=True)
-            grad_norm = float(nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if cfg.grad_clip else float("nan")
-            optimizer.step()
-            step += 1
-            tokens_seen += int(sum(assistant_tokens(cache.conversations[i]) for i in plan[step - 1]))
+    with open(out / LOG_FILE, "a") as log:
+        while progress.step < total_steps:
+            batch = collate(cache, plan[progress.step], need_input, not need_input, trainer.device)
+            lr = lr_at(progress.step, total_steps, cfg.lr, warmup, cfg.min_lr_ratio)
+            stats, grad_norm = trainer.step(batch, lr)
+            progress.step += 1
+            progress.tokens_seen += int(sum(assistant_tokens(cache.conversations[i]) for i in plan[progress.step - 1]))
             top1 = [h / c if c else 0.0 for h, c in zip(stats["hits"][1], stats["count"])]
             window = (window + [{"loss": stats["loss"], "top1": top1}])[-20:]
-            mean_top1 = [sum(w["top1"][i] for w in window) / len(window) for i in range(cfg.num_heads)]
-            bar.update(1)
-            bar.set_postfix(loss=f"{sum(w['loss'] for w in window) / len(window):.3f}",
-                            top1="/".join(f"{a:.2f}" for a in mean_top1), tok=tokens_seen)
+            _show_progress(bar, window, cfg.num_heads, progress.tokens_seen)
+            step, elapsed = progress.step, progress.elapsed + (time.monotonic() - t0)
             if step % cfg.log_every == 0 or step == total_steps:
-                log.write(json.dumps({"step": step, "tokens": tokens_seen, "lr": lr, "loss": stats["loss"],
-                                      "top1": top1, "grad_norm": grad_norm,
-                                      "elapsed_s": round(elapsed + time.monotonic() - t0, 2)}) + "\n")
+                log.write(json.dumps({"step": step, "tokens": progress.tokens_seen, "lr": lr, "loss": stats["loss"],
+                                      "top1": top1, "grad_norm": grad_norm, "elapsed_s": round(elapsed, 2)}) + "\n")
                 log.flush()
             if step % cfg.save_every == 0 or step == total_steps:
-                save_state()
+                trainer.save_state(out / STATE_FILE, progress, progress.elapsed + (time.monotonic() - t0))
             if on_step is not None:
                 on_step(step)
     bar.close()
-    elapsed += time.monotonic() - t0
+    progress.elapsed += time.monotonic() - t0
 
-    save_drafter(drafter.cpu().eval(), out, dtype=torch.float16)
+
+def _show_progress(bar, window: list[dict], num_heads: int, tokens_seen: int) -> None:
+    mean_top1 = [sum(w["top1"][i] for w in window) / len(window) for i in range(num_heads)]
+    bar.update(1)
+    bar.set_postfix(loss=f"{sum(w['loss'] for w in window) / len(window):.3f}",
+                    top1="/".join(f"{a:.2f}" for a in mean_top1), tok=tokens_seen)
+
+
+def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progress: _Progress, device: torch.device,
+             log_path: Path) -> dict:
+    """``training_summary.json`` of a completed run; final loss and top-1 are means over its last 10 log lines."""
     recent = [json.loads(line) for line in log_path.read_text().splitlines() if line][-10:]
-    summary = {
+    return {
         "complete": True,
         "method": cfg.method,
         "num_heads": cfg.num_heads,
-        "steps": total_steps,
-        "assistant_tokens": tokens_seen,
-        "planned_assistant_tokens": budget_tokens,
+        "steps": len(plan),
+        "assistant_tokens": progress.tokens_seen,
+        "planned_assistant_tokens": sum(assistant_tokens(cache.conversations[i]) for batch in plan for i in batch),
         "max_tokens": cfg.max_tokens,
         "epochs": cfg.epochs,
-        "wall_time_s": round(elapsed, 1),
+        "wall_time_s": round(progress.elapsed, 1),
         "hardware": _hardware(device),
         "torch": torch.__version__,
         "final_loss": sum(r["loss"] for r in recent) / len(recent) if recent else None,
@@ -463,8 +517,6 @@ def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
         "config": dataclasses.asdict(cfg),
         "command": "python training/train.py " + " ".join(sys.argv[1:]) if sys.argv and "train.py" in sys.argv[0] else None,
     }
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def run_digest(directory: str | Path) -> str:

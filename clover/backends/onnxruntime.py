@@ -1,4 +1,4 @@
-"""The onnxruntime backend: the CPU speed path (DESIGN §6).
+"""The onnxruntime backend: the CPU speed path (docs/results/README.md#cpu-roofline).
 
 Inputs are handed to onnxruntime as numpy views of the torch tensors the
 decode loop owns (no copy); the KV cache stays in the decode loop's

@@ -2,7 +2,7 @@
 
 Written against TensorRT 10's Python API (``execute_async_v3`` with tensor
 addresses). TensorRT cannot be installed on the development machines, so this
-module is import-guarded and has not run there; see the README for what has
+module is import-guarded and has not run there; docs/status.md says what has
 run where. The KV cache lives on the GPU (``EngineSpec.device``); small inputs
 are copied in, logits and ``h0`` come back to the host for the decode loop.
 """

@@ -59,6 +59,12 @@ class BuildOptions:
         return dataclasses.replace(self, attention=attention)
 
 
+def default_draft_int8(backend: str, dtype: str) -> bool:
+    """Whether an engine gets int8 draft weights unless told otherwise: onnxruntime fp32 engines do (only the
+    proposals change, so output stays lossless; drafting costs about half on CPU, docs/results/README.md)."""
+    return backend == "onnxruntime" and dtype == "fp32"
+
+
 @contextlib.contextmanager
 def atomic_directory(output: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yields a temporary sibling of ``output`` that replaces ``output`` only if the block completes.
@@ -259,3 +265,34 @@ def recalibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None
     meta.write(engine_dir)  # atomic: an interrupted run leaves the old metadata intact
     progress(f"cost model stored in {engine_dir / 'engine.json'}")
     return meta.cost_model
+
+
+def demo_engine_is_current(engine_dir: str | Path) -> bool:
+    """True when ``engine_dir`` holds a demo engine built the default way: the shipped heads, a cost model."""
+    from clover.demo import resolve_drafter
+
+    try:
+        meta = read_engine_meta(engine_dir)
+    except (ConfigError, FileNotFoundError):
+        return False
+    return meta.source.get("drafter") == resolve_drafter(None, "demo") and meta.cost_model is not None
+
+
+def ensure_demo_engine(engine_dir: str | Path | None = None,
+                       progress: Callable[[str], None] = _default_progress) -> Path:
+    """The demo engine directory (default :func:`clover.demo.default_engine_dir`), built first where it is
+    missing, or, for the default directory, where it predates the shipped heads or the default build flags.
+
+    The defaults are the ones that cannot lose: a calibrated cost model (decoding picks each step's
+    budget, vanilla steps included) and int8 draft weights (docs/results/README.md).
+    """
+    from clover.demo import default_engine_dir
+
+    default = engine_dir is None
+    engine_dir = Path(engine_dir) if engine_dir is not None else default_engine_dir()
+    exists = (engine_dir / "engine.json").exists()
+    if not exists or (default and not demo_engine_is_current(engine_dir)):
+        progress(f"building the demo engine in {engine_dir} (once, about a minute)")
+        build_engine(engine_dir, "demo", overwrite=True, calibrate=True, progress=progress,
+                     draft_int8=default_draft_int8("onnxruntime", "fp32"))
+    return engine_dir

@@ -16,8 +16,8 @@ as ``[in, out]`` for ``MatMul``; stacked head weights ``[K, out, in]`` as
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -25,20 +25,29 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from clover.drafters import Drafter
-from clover.engine import cache_input_names, present_output_names
+from clover.engine_contract import cache_input_names, present_output_names
 from clover.target import LlamaTarget
 
 OPSET = 18
 PLUGIN_DOMAIN = "clover"
 PLUGIN_OP = "TreeAttention"
-DTYPES = {"fp32": (np.float32, TensorProto.FLOAT, torch.float32), "fp16": (np.float16, TensorProto.FLOAT16, torch.float16)}
+
+
+class DtypeSpec(NamedTuple):
+    """One engine dtype (``engine.json``'s ``dtype``) as numpy and ONNX name it (torch: ``clover.engine_dir``)."""
+
+    np_dtype: type
+    onnx_dtype: int  # a TensorProto element type
+
+
+DTYPES = {"fp32": DtypeSpec(np.float32, TensorProto.FLOAT), "fp16": DtypeSpec(np.float16, TensorProto.FLOAT16)}
 
 
 class GraphWriter:
     """Collects nodes; big weights go straight to an external-data file."""
 
     def __init__(self, data_path: Path, dtype: str) -> None:
-        self.np_dtype, self.onnx_dtype, _ = DTYPES[dtype]
+        self.np_dtype, self.onnx_dtype = DTYPES[dtype].np_dtype, DTYPES[dtype].onnx_dtype
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.data_path = data_path
@@ -260,18 +269,20 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
     augment = drafter.augment if drafter is not None else None
     num_kv = cfg.num_layers + (augment is not None)
     g = GraphWriter(Path(str(path) + ".data"), dtype)
-    T = g.onnx_dtype
+    float_type = g.onnx_dtype  # ONNX element type of the float inputs and outputs
     cache_names, present_names = cache_input_names(num_kv), present_output_names(num_kv)
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "tokens"]),
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "tokens"]),
         helper.make_tensor_value_info("past_lengths", TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info("spec_decoding_packed_mask", TensorProto.INT32, ["batch", "tokens", "mask_words"]),
-    ] + [helper.make_tensor_value_info(n, T, ["batch", cfg.num_kv_heads, "max_seq", cfg.head_dim]) for n in cache_names]
+    ] + [helper.make_tensor_value_info(n, float_type, ["batch", cfg.num_kv_heads, "max_seq", cfg.head_dim])
+         for n in cache_names]
     outputs = [
-        helper.make_tensor_value_info("logits", T, ["batch", "tokens", cfg.vocab_size]),
-        helper.make_tensor_value_info("h0", T, ["batch", "tokens", cfg.hidden_size]),
-    ] + [helper.make_tensor_value_info(n, T, ["batch", cfg.num_kv_heads, "tokens", cfg.head_dim]) for n in present_names]
+        helper.make_tensor_value_info("logits", float_type, ["batch", "tokens", cfg.vocab_size]),
+        helper.make_tensor_value_info("h0", float_type, ["batch", "tokens", cfg.hidden_size]),
+    ] + [helper.make_tensor_value_info(n, float_type, ["batch", cfg.num_kv_heads, "tokens", cfg.head_dim])
+         for n in present_names]
     names = [i.name for i in inputs]
     shared = None if attention == "plugin" else _AttentionInputs(g, names[0], names[2], names[3],
                                                                  cfg.num_heads // cfg.num_kv_heads)
@@ -309,14 +320,14 @@ def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: 
     """Write ``draft_step.onnx``: one regressive step with the top-k inside."""
     cfg, dcfg = target.config, drafter.config
     g = GraphWriter(Path(str(path) + ".data"), dtype)
-    T = g.onnx_dtype
+    float_type = g.onnx_dtype  # ONNX element type of the float inputs and outputs
     inputs = [
-        helper.make_tensor_value_info("hidden", T, ["nodes", cfg.hidden_size]),
+        helper.make_tensor_value_info("hidden", float_type, ["nodes", cfg.hidden_size]),
         helper.make_tensor_value_info("token", TensorProto.INT64, ["nodes"]),
         helper.make_tensor_value_info("head", TensorProto.INT64, []),
     ]
     outputs = [
-        helper.make_tensor_value_info("next_hidden", T, ["nodes", cfg.hidden_size]),
+        helper.make_tensor_value_info("next_hidden", float_type, ["nodes", cfg.hidden_size]),
         helper.make_tensor_value_info("topk_logprobs", TensorProto.FLOAT, ["nodes", top_k]),
         helper.make_tensor_value_info("topk_ids", TensorProto.INT64, ["nodes", top_k]),
     ]
@@ -329,7 +340,8 @@ def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: 
         y = g.op("Add", g.op("MatMul", x, g.op("Gather", heads_w, "head", axis=0)), g.op("Gather", heads_b, "head", axis=0))
         return g.op("Add", x, g.silu(y))
 
-    def norm_l2(x: str, eps: float) -> str:
+    def clamped_l2_length(x: str, eps: float) -> str:
+        """``max(||x||, eps)`` over the last axis (kept, size 1): a divisor that is never zero."""
         length = g.op("Sqrt", g.op("ReduceSum", g.op("Mul", x, x), g.const([-1], np.int64), keepdims=1))
         return g.op("Max", length, g.const(eps, g.np_dtype))
 
@@ -342,7 +354,7 @@ def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: 
             next_hidden = hidden
         else:
             row = g.op("Gather", lm_head, "token", axis=0)
-            emb = g.op("Div", row, norm_l2(row, 1e-12))
+            emb = g.op("Div", row, clamped_l2_length(row, 1e-12))
             reg = drafter.regressive
             normed = g.rms_norm(hidden, reg.norm, "regressive.norm")
             if dcfg.regressive == "attention":
@@ -351,7 +363,8 @@ def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: 
                 k = g.op("Reshape", g.linear(emb, reg.k_proj, "regressive.k_proj"), per_head)
                 v = g.op("Reshape", g.linear(emb, reg.v_proj, "regressive.v_proj"), per_head)
                 dot = g.op("ReduceSum", g.op("Mul", q, k), g.const([-1], np.int64), keepdims=1)
-                gate = g.op("Div", dot, g.op("Mul", norm_l2(q, 1e-6), norm_l2(k, 1e-6)))  # cosine similarity
+                lengths = g.op("Mul", clamped_l2_length(q, 1e-6), clamped_l2_length(k, 1e-6))
+                gate = g.op("Div", dot, lengths)  # cosine similarity
                 update = g.op("Reshape", g.op("Mul", gate, v), g.const([0, cfg.hidden_size], np.int64))
             else:
                 up = g.linear(g.op("Concat", normed, emb, axis=-1), reg.up, "regressive.up")
@@ -375,7 +388,3 @@ def _describe(infos) -> list[dict]:
         dims = [d.dim_param or d.dim_value for d in t.shape.dim]
         table.append({"name": info.name, "dtype": helper.tensor_dtype_to_np_dtype(t.elem_type).name, "shape": dims})
     return table
-
-
-def file_size(path: Path) -> int:
-    return os.path.getsize(path) + (os.path.getsize(str(path) + ".data") if os.path.exists(str(path) + ".data") else 0)

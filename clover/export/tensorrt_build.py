@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from clover.attention import num_mask_words
 from clover.backends.tensorrt import load_tree_attention_plugin, require_tensorrt
 from clover.config import ConfigError
-from clover.engine import cache_input_names
-
-
-def _mask_words(tokens: int) -> int:
-    return max(1, -(-tokens // 32))
+from clover.engine_contract import cache_input_names
 
 
 def target_profile(max_batch, max_tree, max_seq, num_kv_layers, num_kv_heads, head_dim) -> dict:
@@ -26,7 +23,7 @@ def target_profile(max_batch, max_tree, max_seq, num_kv_layers, num_kv_heads, he
         "input_ids": ((1, 1), (1, opt_tokens), (max_batch, max_seq)),
         "position_ids": ((1, 1), (1, opt_tokens), (max_batch, max_seq)),
         "past_lengths": ((1,), (1,), (max_batch,)),
-        "spec_decoding_packed_mask": ((1, 1, 1), (1, opt_tokens, 1), (max_batch, max_seq, _mask_words(max_seq))),
+        "spec_decoding_packed_mask": ((1, 1, 1), (1, opt_tokens, 1), (max_batch, max_seq, num_mask_words(max_seq))),
     }
     for name in cache_input_names(num_kv_layers):
         profile[name] = ((1, num_kv_heads, max_seq, head_dim), (1, num_kv_heads, max_seq, head_dim),

@@ -1,4 +1,4 @@
-"""Serving Clover from Triton Inference Server (DESIGN §4).
+"""Serving Clover from Triton Inference Server (docs/serving.md).
 
 Everything here runs without ``triton_python_backend_utils``:
 

@@ -21,7 +21,8 @@ import threading
 import time
 from typing import Callable
 
-from clover.decode import GenerationRequest, SpeculativeDecoder, SequenceStats
+from clover.stats import tokens_per_step
+from clover.decode import GenerationRequest, SpeculativeDecoder, StepEvent, cut_at_stop
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class RequestStats:
 
     @property
     def tokens_per_step(self) -> float:
-        return (self.output_tokens - 1) / self.decode_steps if self.decode_steps else 0.0
+        return tokens_per_step(self.output_tokens, self.decode_steps)
 
 
 @dataclasses.dataclass
@@ -82,10 +83,7 @@ class TextStream:
         self.token_ids.extend(token_ids)
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cuts = [text.index(s) for s in self.stop_strings if s in text]
-        if cuts:
-            text = text[: min(cuts)]
+        text = cut_at_stop(self.tokenizer.decode(self.token_ids, skip_special_tokens=True), self.stop_strings)
         if not finished:
             hold = 0
             for stop in self.stop_strings:
@@ -161,7 +159,6 @@ class _Entry:
         self.on_update, self.is_cancelled = on_update, is_cancelled
         self.text = TextStream(tokenizer, request.stop_strings)
         self.stats = RequestStats(prompt_tokens=len(request.prompt_ids))
-        self.seq_stats: SequenceStats | None = None
         self.seq_id: int | None = None
         self.cancel_requested = False
         self.last_poll = 0.0
@@ -201,18 +198,6 @@ class InflightBatcher:
 
     # -- any thread -------------------------------------------------------
 
-    def validate(self, request: GenerationRequest) -> None:
-        """The checks :meth:`SpeculativeDecoder.submit` makes, without touching the decoder."""
-        if not request.prompt_ids:
-            raise ValueError("empty prompt")
-        if request.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if len(request.prompt_ids) + 1 > self.max_seq_len:
-            raise ValueError(f"prompt of {len(request.prompt_ids)} tokens does not fit the context "
-                             f"of {self.max_seq_len} tokens")
-        if request.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
-
     def submit(self, request: GenerationRequest, on_update: Callable[[Update], None],
                is_cancelled: Callable[[], bool] | None = None) -> RequestHandle:
         """Queue a request; it joins the batch at the next step.
@@ -220,9 +205,9 @@ class InflightBatcher:
         ``on_update`` runs on the decode thread after each step that produced something for
         this request, and once with ``finished=True``. If it raises, the request is cancelled.
         ``is_cancelled`` (polled by the decode thread) lets the caller's transport cancel it.
-        Raises ValueError for a request the decoder would refuse, RuntimeError after shutdown.
+        Raises ConfigError (a ValueError) for a request the decoder would refuse, RuntimeError after shutdown.
         """
-        self.validate(request)
+        request.validate(self.max_seq_len, self.tokenizer is not None)  # the decoder's check, before queueing
         entry = _Entry(next(self._ids), request, on_update, is_cancelled, self.tokenizer)
         with self._cond:
             if self._stopping or not self._thread.is_alive():
@@ -301,8 +286,6 @@ class InflightBatcher:
         except ValueError as exc:
             self._finish(entry, [], None, str(exc))
             return
-        # the decoder updates this SequenceStats object in place while the sequence runs
-        entry.seq_stats = self.decoder.result(entry.seq_id).stats
         self._live[entry.seq_id] = entry
 
     def _poll_cancellations(self) -> None:
@@ -328,39 +311,41 @@ class InflightBatcher:
             self.decoder = self._make_decoder()
             self._publish()
             return
-        batch_steps = 0
-        for event in events:
-            entry = self._live.get(event.seq_id)
-            if entry is None:
-                continue
-            batch_steps = max(batch_steps, self._account(entry, event.new_token_ids))
+        live = [(self._live[event.seq_id], event) for event in events if event.seq_id in self._live]
+        # a new request's prefill and its first decode step come from one step as two events: count every
+        # decode step first, so each update of this step reports the request's stats after the whole step
+        for entry, event in live:
+            self._count_decode_step(entry, event)
+        for entry, event in live:
+            self._count_output(entry, event.new_token_ids)
             if event.finished:
                 del self._live[event.seq_id]
                 self._finish(entry, event.new_token_ids, event.finish_reason)
             elif event.new_token_ids:
                 self._deliver(entry, event.new_token_ids, finished=False, reason=None)
         with self._metrics_lock:
-            self._metrics.batch_steps += batch_steps
+            self._metrics.batch_steps += int(any(event.decode_step for _, event in live))
         self._publish()
 
-    def _account(self, entry: _Entry, new_ids: list[int]) -> int:
-        """Fold the sequence's stats into the request's and the totals; 1 if it took a decode step."""
-        before = entry.stats
-        seq = entry.seq_stats
-        after = dataclasses.replace(before, output_tokens=before.output_tokens + len(new_ids))
-        if seq is not None:
-            after.decode_steps = seq.num_steps
-            after.accepted_draft_tokens = sum(seq.accepted_per_step)
-            after.draft_tokens = seq.num_draft_tokens
-        entry.stats = after
+    def _count_decode_step(self, entry: _Entry, event: StepEvent) -> None:
+        """Add the event's decode step, if it has one, to the request's stats and the totals."""
+        if not event.decode_step:
+            return
+        stats = entry.stats
+        stats.decode_steps += 1
+        stats.draft_tokens += event.draft_tokens
+        stats.accepted_draft_tokens += event.accepted_draft_tokens
         with self._metrics_lock:
-            m = self._metrics
-            m.output_tokens += len(new_ids)
-            m.decode_tokens += len(new_ids) - (1 if before.output_tokens == 0 and new_ids else 0)
-            m.sequence_steps += after.decode_steps - before.decode_steps
-            m.accepted_draft_tokens += after.accepted_draft_tokens - before.accepted_draft_tokens
-            m.draft_tokens += after.draft_tokens - before.draft_tokens
-        return int(after.decode_steps > before.decode_steps)
+            self._metrics.sequence_steps += 1
+            self._metrics.draft_tokens += event.draft_tokens
+            self._metrics.accepted_draft_tokens += event.accepted_draft_tokens
+
+    def _count_output(self, entry: _Entry, new_ids: list[int]) -> None:
+        from_prompt_pass = 1 if entry.stats.output_tokens == 0 and new_ids else 0  # a request's first token
+        entry.stats.output_tokens += len(new_ids)
+        with self._metrics_lock:
+            self._metrics.output_tokens += len(new_ids)
+            self._metrics.decode_tokens += len(new_ids) - from_prompt_pass
 
     def _deliver(self, entry: _Entry, new_ids: list[int], finished: bool, reason: str | None,
                  error: str | None = None) -> None:

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import TextIO
 
 from clover.config import ConfigError
-from clover.serving.engines import default_engine_dir
-from clover.serving.repository import MODEL_NAME, source_repository, write_repository
-from clover.serving.server import ServerError, TritonServer
+from clover.serving.served_engine import default_engine_dir
+from clover.serving.repository import MODEL_NAME, write_repository
+from clover.serving.server import ServerError, TritonServer, checkout_root, free_port
 
 DEMO_PROMPTS = (
     "Explain speculative decoding in two sentences.",
@@ -33,13 +33,9 @@ DEMO_PROMPTS = (
 )
 
 
-def _checkout_root() -> Path:
-    return source_repository().parent
-
-
 def resolve_serve_engine(engine: str | Path | None, backend: str = "auto") -> Path:
     """The engine directory to serve; ConfigError with the build command if there is none."""
-    engine_dir = Path(engine) if engine is not None else default_engine_dir(_checkout_root())
+    engine_dir = Path(engine) if engine is not None else default_engine_dir(checkout_root())
     if backend != "torch" and not (engine_dir / "engine.json").exists():
         raise ConfigError(f"no engine at {engine_dir}; build it with: python export/build_engine.py --output "
                           f"{engine_dir}   (or pass --engine DIR)")
@@ -68,13 +64,17 @@ class _SigtermAsInterrupt:
 
 
 def serve(engine: str | Path | None = None, *, backend: str = "auto", method: str = "auto", max_batch: int = 0,
-          tree_budget: int | None = None, adaptive: bool = False, threads: int = 0, host: str = "0.0.0.0", http_port: int = 8000,
+          tree_budget: int | None = None, adaptive: bool | None = None, threads: int = 0, host: str = "0.0.0.0", http_port: int = 8000,
           grpc_port: int = 8001, metrics_port: int = 8002, model_repository: str | Path | None = None,
-          startup_timeout_s: float = 600.0, log_file: str | Path | None = None, out: TextIO = sys.stdout) -> int:
-    """Serve until Ctrl-C (or SIGTERM); returns the exit code."""
+          startup_timeout_s: float = 600.0, log_file: str | Path | None = None, out: TextIO = sys.stdout,
+          openai_port: int | None = None) -> int:
+    """Serve until Ctrl-C (or SIGTERM); returns the exit code. ``openai_port``: also run the
+    OpenAI-compatible frontend (its own process) there."""
     workdir = Path(tempfile.mkdtemp(prefix="clover-serve-"))
-    server = None
+    server = frontend = None
     try:
+        # checked before tritonserver starts: the frontend reads the engine's tokenizer and context
+        openai_engine = _openai_engine(engine, backend, model_repository) if openai_port is not None else None
         if model_repository is not None:
             repo = Path(model_repository)
             what = f"model repository {repo}"
@@ -84,8 +84,8 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                       "max_batch": str(max_batch), "threads": str(threads)}
             if tree_budget is not None:
                 params["tree_budget"] = str(tree_budget)
-            if adaptive:
-                params["adaptive"] = "true"
+            if adaptive is not None:  # None: the model's default (adaptive where the engine has a cost model)
+                params["adaptive"] = "true" if adaptive else "false"
             repo = write_repository(workdir / "model_repository", {MODEL_NAME: params})
             what = f"engine {engine_dir}"
         with _SigtermAsInterrupt():
@@ -103,11 +103,15 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                       f"  metrics http://{shown}:{server.metrics_port}/metrics\n"
                       f"  try: clover client --url {shown}:{server.grpc_port} --prompt \"Hello!\"\n"
                       "Ctrl-C stops the server.", file=out, flush=True)
-                code = server.wait()
-                print(f"[clover] tritonserver exited with code {code}", file=out, flush=True)
-                return 1 if code else 0
+                if openai_engine is not None:
+                    frontend = _openai_frontend(openai_engine, server, openai_port)
+                    _start_openai(frontend, startup_timeout_s, out)
+                return _wait_for_exit(server, frontend, out)
             except KeyboardInterrupt:
-                print("\n[clover] stopping tritonserver ...", file=out, flush=True)
+                print(f"\n[clover] stopping {'the OpenAI frontend and ' if frontend else ''}tritonserver ...", file=out,
+                      flush=True)
+                if frontend is not None:
+                    print(f"[clover] stopped the OpenAI frontend (exit code {frontend.stop()})", file=out, flush=True)
                 code = server.stop() if server is not None else None
                 print(f"[clover] stopped (exit code {code})", file=out, flush=True)
                 return 0
@@ -115,22 +119,71 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
         print(f"clover: error: {exc}", file=sys.stderr)
         return 1
     finally:
+        if frontend is not None:
+            frontend.stop()  # first: its open streams end while tritonserver still answers
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _openai_engine(engine, backend: str, model_repository) -> Path:
+    """The built engine directory whose tokenizer and context the OpenAI frontend uses."""
+    if backend == "torch" or (model_repository is not None and engine is None):
+        raise ConfigError("--openai-port needs a built engine directory for its tokenizer and context: "
+                          "pass --engine DIR (with --model-repository: the engine that repository serves)")
+    return resolve_serve_engine(engine, backend)
+
+
+def _openai_frontend(engine_dir: Path, server: TritonServer, port: int):
+    from clover.serving.openai_frontend import FrontendProcess
+
+    return FrontendProcess(engine_dir, server.grpc_url, port or free_port(), host=server.host, model=MODEL_NAME,
+                           log_file=server.log_file)
+
+
+def _start_openai(frontend, timeout_s: float, out: TextIO) -> None:
+    """Start the OpenAI-compatible frontend and wait until it reaches the model."""
+    frontend.start().wait_ready(timeout_s)
+    print(f"[clover] OpenAI-compatible endpoint ready (pid {frontend.process.pid}): {frontend.url}/v1  "
+          f"(model \"{MODEL_NAME}\": /v1/chat/completions, /v1/completions, /v1/models)", file=out, flush=True)
+
+
+def _wait_for_exit(server: TritonServer, frontend, out: TextIO) -> int:
+    """Block until tritonserver exits, or the OpenAI frontend does (a crash: reported, exit code 1)."""
+    while True:
+        code = server.wait(0.5 if frontend is not None else None)
+        if code is not None:
+            print(f"[clover] tritonserver exited with code {code}", file=out, flush=True)
+            return 1 if code else 0
+        if frontend is not None and frontend.poll() is not None:
+            print(f"clover: error: the OpenAI frontend (pid {frontend.process.pid}) exited with code "
+                  f"{frontend.poll()}; stopping tritonserver", file=sys.stderr, flush=True)
+            return 1
 
 
 def _stale_demo_engine(engine_dir: Path) -> bool:
     """True when the default demo engine is missing or was built with other heads than the shipped ones."""
     from clover.config import ConfigError
     from clover.demo import resolve_drafter
-    from clover.export.engine_dir import read_engine_meta
+    from clover.engine_dir import read_engine_meta
 
     try:
         meta = read_engine_meta(engine_dir)
     except (ConfigError, FileNotFoundError):
         return True
-    return meta.get("source", {}).get("drafter") != resolve_drafter(None, "demo")
+    return meta.source.get("drafter") != resolve_drafter(None, "demo")
+
+
+def ensure_demo_engine(engine: str | Path | None = None, out: TextIO = sys.stdout) -> Path:
+    """The demo engine directory, built first if it is missing (or, the default one, stale)."""
+    engine_dir = Path(engine) if engine is not None else default_engine_dir(checkout_root())
+    # the default engine is rebuilt when it predates the shipped heads
+    if not (engine_dir / "engine.json").exists() or (engine is None and _stale_demo_engine(engine_dir)):
+        from clover.export.builder import build_engine
+
+        print(f"[clover] building the demo engine in {engine_dir} (once)", file=out, flush=True)
+        build_engine(engine_dir, "demo", overwrite=True)
+    return engine_dir
 
 
 def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens: int = 96,
@@ -138,13 +191,7 @@ def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens:
     """Build (if needed) and serve the demo engine, stream answers, compare with vanilla, stop."""
     from clover.client import GrpcClient, collect
 
-    engine_dir = Path(engine) if engine is not None else default_engine_dir(_checkout_root())
-    # the default engine is rebuilt when it predates the shipped heads
-    if not (engine_dir / "engine.json").exists() or (engine is None and _stale_demo_engine(engine_dir)):
-        from clover.export.engine_dir import build_engine
-
-        print(f"[clover] building the demo engine in {engine_dir} (once)", file=out, flush=True)
-        build_engine(engine_dir, "demo", overwrite=True)
+    engine_dir = ensure_demo_engine(engine, out)
     workdir = Path(tempfile.mkdtemp(prefix="clover-demo-"))
     try:
         repo = write_repository(workdir / "model_repository",
@@ -177,10 +224,9 @@ def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens:
                     out.write("\n")
                     rows.append((clover, vanilla))
                     perf = clover.perf or {}
-                    steps = perf.get("num_decode_steps") or 0
                     print(f"[clover {clover.tokens_per_second:5.1f} tok/s, acceptance rate "
                           f"{perf.get('acceptance_rate', 0.0):.2f}, "
-                          f"{(len(clover.token_ids) - 1) / steps if steps else 0:.2f} tokens/step | vanilla "
+                          f"{clover.tokens_per_step:.2f} tokens/step | vanilla "
                           f"{vanilla.tokens_per_second:5.1f} tok/s | same text: "
                           f"{'yes' if clover.text == vanilla.text else 'NO'}]", file=out, flush=True)
             c_tokens = sum(len(c.token_ids) for c, _ in rows)

@@ -1,6 +1,6 @@
 """The Triton model's interface: tensor names, request validation, ``config.pbtxt``.
 
-Names follow tensorrtllm_backend where it has one (DESIGN §4). The model runs
+Names follow tensorrtllm_backend where it has one (docs/serving.md#inputs-and-outputs). The model runs
 with ``max_batch_size: 0`` (Triton does no batching of its own: the in-flight
 batcher does), so every scalar input has shape ``[1]``.
 
@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from clover.config import ConfigError, SamplingConfig
-from clover.decode import GenerationRequest
+from clover.decode import GenerationRequest, refuse_empty_prompt
 
 
 class RequestError(ValueError):
@@ -71,9 +71,10 @@ PARAMETERS = {
     "max_batch": ("0", "sequences decoded together at most; 0: the engine's max_batch"),
     "tree_budget": ("", "draft tree nodes per step (default: the engine's tree defaults); with adaptive, the "
                         "largest budget a step may use"),
-    "adaptive": ("false", "true: choose each step's tree budget from the number of live sequences with the "
-                          "engine's calibrated cost model (build_engine --calibrate), 0 (a vanilla step) where "
-                          "speculation does not pay"),
+    "adaptive": ("auto", "auto: like true when the engine has a calibrated cost model (export/build_engine.py "
+                         "stores one by default), else a fixed budget; true: choose each step's tree budget from "
+                         "the number of live sequences with that cost model, 0 (a vanilla step) where speculation "
+                         "does not pay (refused at load without one); false: the fixed tree_budget every step"),
     "threads": ("0", "CPU threads of the engine (0: the backend's default)"),
     "apply_chat_template": ("true", "default of the apply_chat_template input"),
 }
@@ -154,7 +155,7 @@ def parse_request(get: Callable[[str], "np.ndarray | None"], tokenizer, limits: 
     ``get(name)`` returns the input as a numpy array, or None when it is absent.
     Raises :class:`RequestError` with a message for the client.
     """
-    from clover.cli import encode_prompt
+    from clover.prompts import encode_prompt
 
     for spec in INPUTS:
         if not spec.optional and get(spec.name) is None:
@@ -170,12 +171,12 @@ def parse_request(get: Callable[[str], "np.ndarray | None"], tokenizer, limits: 
         text = raw
     else:
         raise RequestError(f"text_input must be BYTES (a string), got {type(raw).__name__}")
-    if not text:
-        raise RequestError("text_input is empty")
+    try:
+        refuse_empty_prompt(text)  # before encoding, as a chat template turns even empty text into tokens
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
 
     max_tokens = _number(get, "max_tokens", _INT, None)
-    if max_tokens < 1:
-        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
     if max_tokens > limits.max_seq_len:
         raise RequestError(f"max_tokens {max_tokens} is larger than the engine's context of {limits.max_seq_len} tokens")
 
@@ -213,14 +214,13 @@ def parse_request(get: Callable[[str], "np.ndarray | None"], tokenizer, limits: 
     seed = _number(get, "random_seed", _INT, 0)
     chat = _flag(get, "apply_chat_template", limits.apply_chat_template)
     prompt_ids = encode_prompt(tokenizer, text, chat)
-    if not prompt_ids:
-        raise RequestError("text_input encodes to no tokens")
-    if len(prompt_ids) + 1 > limits.max_seq_len:
-        raise RequestError(f"the prompt is {len(prompt_ids)} tokens; the engine's context is {limits.max_seq_len} "
-                           "tokens, so it must be shorter")
     generation = GenerationRequest(prompt_ids, max_new_tokens=int(max_tokens), sampling=sampling,
                                    stop_token_ids=stop_ids, stop_strings=tuple(stop_words), seed=int(seed),
                                    request_id=request_id)
+    try:
+        generation.validate(limits.max_seq_len, tokenizer is not None)
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
     return ParsedRequest(generation, _flag(get, "stream", False), _flag(get, "return_perf_metrics", False))
 
 

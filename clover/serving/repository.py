@@ -16,16 +16,16 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
-import clover
 from clover.config import ConfigError
 from clover.serving.protocol import render_model_config
+from clover.serving.server import checkout_root
 
 MODEL_NAME = "clover"
 
 
 def source_repository() -> Path:
     """The ``triton_repo/`` of this checkout (beside the ``clover`` package)."""
-    return Path(clover.__file__).resolve().parent.parent / "triton_repo"
+    return checkout_root() / "triton_repo"
 
 
 def model_py(source: Path | None = None) -> Path:

@@ -7,17 +7,9 @@ import os
 from pathlib import Path
 
 from clover.config import ConfigError, TreeConfig
+from clover.demo import default_engine_dir  # noqa: F401 (re-exported for the serving modules)
 
-DEFAULT_ENGINE_SUBDIR = Path("engines") / "demo"
 TORCH_MAX_BATCH = 16  # the torch path has no built-in limit; this keeps a CPU server responsive
-
-
-def default_engine_dir(repository_parent: str | Path | None = None) -> Path:
-    """``$CLOVER_ENGINE_DIR``, else ``engines/demo`` in ``repository_parent`` (default: the current directory)."""
-    env = os.environ.get("CLOVER_ENGINE_DIR")
-    if env:
-        return Path(env)
-    return Path(repository_parent or ".") / DEFAULT_ENGINE_SUBDIR
 
 
 def resolve_engine_dir(value: str, repository_parent: str | Path | None = None) -> Path:
@@ -49,12 +41,13 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 
 def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: str = "auto",
                         max_batch: int = 0, tree_budget: int | None = None, threads: int = 0,
-                        adaptive: bool = False) -> LoadedEngine:
+                        adaptive: bool | None = None) -> LoadedEngine:
     """Engine, tokenizer and decode settings for serving. Raises ConfigError naming the problem.
 
     ``engine_dir`` is a built engine directory, or with ``backend="torch"`` a checkpoint directory (or
-    ``demo``). ``adaptive`` picks each step's budget (up to ``tree_budget``) from the engine's cost model;
-    an engine without one is refused here rather than at the first request."""
+    ``demo``). ``adaptive`` as :class:`~clover.config.TreeConfig` reads it: None picks each step's budget (up to
+    ``tree_budget``) from the engine's cost model where it has one; True requires one, so an engine without
+    one is refused here rather than at the first request; False keeps a fixed budget."""
     if method not in METHODS:
         raise ConfigError(f"model parameter method={method!r}: choose {', '.join(METHODS)}")
     if backend not in BACKENDS:
@@ -70,7 +63,7 @@ def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: s
         tree = dataclasses.replace(tree, budget=tree_budget)
     if adaptive:
         _check_adaptive(loaded.engine, method, engine_dir)
-        tree = dataclasses.replace(tree, adaptive=True)
+    tree = dataclasses.replace(tree, adaptive=adaptive)
     max_batch = max_batch or loaded.max_batch
     if max_batch < 1:
         raise ConfigError(f"model parameter max_batch must be >= 1, got {max_batch}")

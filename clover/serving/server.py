@@ -1,4 +1,4 @@
-"""Launch the real Triton Inference Server on a model repository (DESIGN §4).
+"""Launch the real Triton Inference Server on a model repository (docs/serving.md#triton-without-an-nvidia-container).
 
 :func:`find_tritonserver` prefers a ``tritonserver`` on ``PATH`` (an NVIDIA
 container) and otherwise uses the binary of the ``nvidia-pytriton`` wheel
@@ -30,6 +30,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from clover.demo import checkout_root
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
 
@@ -83,12 +85,6 @@ def shm_regions() -> set[str]:
         return {name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)}
     except FileNotFoundError:
         return set()
-
-
-def _checkout_root() -> Path:
-    import clover
-
-    return Path(clover.__file__).resolve().parent.parent
 
 
 class TritonServer:
@@ -168,7 +164,7 @@ class TritonServer:
             libs.append(env["LD_LIBRARY_PATH"])
         if libs:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
-        root = str(_checkout_root())
+        root = str(checkout_root())
         env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else root
         return env
 

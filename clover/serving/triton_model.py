@@ -19,7 +19,7 @@ from pathlib import Path
 from clover.config import ConfigError
 from clover.decode import SpeculativeDecoder
 from clover.serving.batcher import BatcherMetrics, InflightBatcher, Update
-from clover.serving.engines import load_serving_engine, resolve_engine_dir
+from clover.serving.served_engine import load_serving_engine, resolve_engine_dir
 from clover.serving.protocol import RequestLimits, model_parameters, parse_request, response_tensors
 
 
@@ -31,6 +31,13 @@ def _int_param(params: dict, name: str, default: int | None) -> int | None:
         return int(value)
     except ValueError:
         raise ConfigError(f"model parameter {name}={value!r} is not an integer") from None
+
+
+def _auto_bool_param(params: dict, name: str) -> bool | None:
+    """A boolean parameter where ``auto`` (or empty) means None: the library default decides."""
+    if str(params.get(name, "")).strip().lower() in ("", "auto"):
+        return None
+    return _bool_param(params, name)
 
 
 def _bool_param(params: dict, name: str) -> bool:
@@ -58,7 +65,7 @@ class CloverTritonModel:
         try:
             loaded = load_serving_engine(engine_dir, params["backend"] or "auto", params["method"] or "auto",
                                          _int_param(params, "max_batch", 0), _int_param(params, "tree_budget", None),
-                                         _int_param(params, "threads", 0), _bool_param(params, "adaptive"))
+                                         _int_param(params, "threads", 0), _auto_bool_param(params, "adaptive"))
         except ConfigError as exc:
             raise ConfigError(f"model {self.name}: cannot load the engine (parameter engine_dir={engine_dir}): "
                               f"{exc}") from None

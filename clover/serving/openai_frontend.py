@@ -1,0 +1,646 @@
+"""OpenAI-compatible HTTP frontend in front of the Clover Triton model (``clover serve --openai-port``).
+
+A thin translation layer that runs in its own process beside tritonserver: ``GET /v1/models``,
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events when ``stream``), each
+mapped onto one request to the ``clover`` model over Triton's gRPC streaming API
+(``tritonclient.grpc.aio``, one channel shared by all requests).
+
+The model stays the one place that checks values (temperature and top_p ranges, max_tokens against
+the context, prompt length, ...): its refusals come back here and are answered as OpenAI errors
+(HTTP 400, ``param`` named). This module checks only the OpenAI schema (types, fields it cannot honour).
+
+Chat prompts: the model wraps ``text_input`` as *one* user turn. A conversation of one user message
+is sent that way, exactly as ``clover client`` sends a prompt; any other conversation is rendered
+here with the same tokenizer's chat template and sent with ``apply_chat_template=false``. The
+frontend needs the tokenizer anyway to count ``usage.prompt_tokens`` (the model does not return
+it), so the Triton protocol, shared with every other client, stays as it is.
+
+Stand-alone: ``python -m clover.serving.openai_frontend --engine DIR --grpc-url localhost:8001 --port 9000``
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request, imported
+# inside create_app so that clover serve imports this module without fastapi) as objects
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from clover.client import _as_array, _chunk, request_fields, tokens_per_step  # the model's tensor mapping
+from clover.prompts import encode_prompt
+
+MODEL_NAME = "clover"
+DEFAULT_PORT = 9000
+_INT32_MAX = 2**31 - 1
+_UINT64_MAX = 2**64 - 1
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _unavailable(message: str) -> OpenAIError:
+    return OpenAIError(503, message, kind="service_unavailable_error", code="triton_unavailable")
+
+
+# -- request schema ----------------------------------------------------------------
+
+class _Strict(BaseModel):
+    # strict: "5" is not an integer, as for OpenAI; extra fields are allowed (clients send many) and
+    # the ones that would change the answer are refused by _refuse_unsupported
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class _GenerationFields(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=-_INT32_MAX, le=_INT32_MAX)  # the model checks the real range
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-_INT32_MAX, le=_INT32_MAX)  # not OpenAI's; vLLM and TensorRT-LLM take it
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=_UINT64_MAX)  # the model's random_seed is UINT64
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False  # vLLM's extension: each choice (chunk) also carries its token ids
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=-_INT32_MAX, le=_INT32_MAX)
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: str | list[str]
+
+
+# OpenAI parameters the model cannot honour: accepted only at the value that changes nothing
+_NO_OP_VALUES = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "suffix": "",
+                 "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [], "functions": [],
+                 "response_format": {"type": "text"}}
+_ROLES = ("system", "developer", "user", "assistant")
+_TYPE_TAGS = {"str", "int", "float", "bool"}  # pydantic's union branches in an error's location
+
+
+def parse_body(schema: type[_GenerationFields], raw: bytes) -> _GenerationFields:
+    """The request body as ``schema``; OpenAIError naming the first bad field."""
+    try:
+        body = schema.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        errors = exc.errors()
+        if errors[0]["type"] == "json_invalid":
+            raise OpenAIError(400, f"the request body is not valid JSON ({errors[0]['msg']})") from None
+        # the first field's deepest error: for a union (stop: str | list[str]) the branch that got furthest
+        field = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
+        error = max(field, key=lambda e: len(_param_path(e["loc"])))
+        param = _param_path(error["loc"])
+        raise OpenAIError(400, f"{param}: {error['msg']}" if param else error["msg"], param or None) from None
+    _refuse_unsupported(body)
+    return body
+
+
+def _param_path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part not in _TYPE_TAGS and "[" not in part:
+            path += f".{part}" if path else part
+    return path
+
+
+def _refuse_unsupported(body: _GenerationFields) -> None:
+    for name, value in (body.model_extra or {}).items():
+        if name in _NO_OP_VALUES and value is not None and value != _NO_OP_VALUES[name]:
+            raise OpenAIError(400, f"{name}: only {name}={json.dumps(_NO_OP_VALUES[name])} is supported by "
+                                   f"this server (got {json.dumps(value)})", name)
+
+
+# -- request mapping ---------------------------------------------------------------
+
+@dataclasses.dataclass
+class TritonRequest:
+    """One OpenAI request as the inputs of the Clover model, and what the answer needs besides."""
+
+    fields: dict  # model inputs by name (clover.client.request_fields)
+    prompt_tokens: int
+    stream: bool
+    include_usage: bool
+    params: dict  # model input -> OpenAI parameter, for naming the parameter in the model's refusals
+    return_token_ids: bool = False
+
+
+def chat_request(body: ChatCompletionRequest, tokenizer, context: int) -> TritonRequest:
+    messages = [_message(i, m) for i, m in enumerate(body.messages)]
+    if len(messages) == 1 and messages[0]["role"] == "user":
+        text, template = messages[0]["content"], True  # the model applies its chat template, as for clover client
+    else:
+        text, template = render_chat(tokenizer, messages), False
+    prompt_tokens = len(encode_prompt(tokenizer, text, template)) if text else 0
+    max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    return _triton_request(body, text, template, prompt_tokens, getattr(body, max_param), context,
+                           {"prompt": "messages", "max_tokens": max_param})
+
+
+def completion_request(body: CompletionRequest, tokenizer, context: int) -> TritonRequest:
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise OpenAIError(400, f"prompt: send one prompt per request (got a list of {len(prompt)})", "prompt")
+        prompt = prompt[0]
+    prompt_tokens = len(encode_prompt(tokenizer, prompt, False)) if prompt else 0
+    return _triton_request(body, prompt, False, prompt_tokens, body.max_tokens, context,
+                           {"prompt": "prompt", "max_tokens": "max_tokens"})
+
+
+def _triton_request(body: _GenerationFields, text: str, template: bool, prompt_tokens: int,
+                    max_tokens: int | None, context: int, params: dict) -> TritonRequest:
+    if max_tokens is None:  # OpenAI's default: as many as the context leaves
+        max_tokens = max(1, context - prompt_tokens)
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    fields = request_fields(text, max_tokens, body.stream, temperature=body.temperature, top_k=body.top_k,
+                            top_p=body.top_p, stop_words=stop, seed=body.seed, perf=True, chat_template=template)
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    return TritonRequest(fields, prompt_tokens, body.stream, include_usage, params, body.return_token_ids)
+
+
+def _message(index: int, message: ChatMessage) -> dict:
+    where = f"messages[{index}]"
+    if message.role not in _ROLES:
+        raise OpenAIError(400, f"{where}.role: {message.role!r} is not supported; use one of {', '.join(_ROLES)}",
+                          f"{where}.role")
+    content = message.content
+    if isinstance(content, list):
+        if any(part.type != "text" or part.text is None for part in content):
+            raise OpenAIError(400, f"{where}.content: only text parts are supported", f"{where}.content")
+        content = "".join(part.text for part in content)
+    return {"role": message.role, "content": content or ""}
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """The conversation through the tokenizer's chat template, as text that ``encode_prompt(.., chat=False)``
+    (what the model does with ``apply_chat_template=false``) turns into the template's token ids."""
+    from jinja2 import TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise OpenAIError(400, "messages: this model has no chat template; send one user message, or use "
+                               "/v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:  # e.g. a template that insists on alternating roles
+        raise OpenAIError(400, f"messages: the model's chat template refused them: {exc}", "messages") from None
+    bos = tokenizer.bos_token
+    # a template that writes BOS itself would get a second one from encode() where the tokenizer adds it
+    if bos and text.startswith(bos) and tokenizer.encode("")[:1] == [tokenizer.bos_token_id]:
+        text = text[len(bos):]
+    return text
+
+
+def model_error(message: str, params: dict) -> OpenAIError:
+    """The model's refusal of a request as an OpenAI error, naming the parameter it is about."""
+    if "shutting down" in message or "unknown model" in message or "is not ready" in message:
+        return _unavailable(message)
+    keywords = (("max_new_tokens", params["max_tokens"]), ("max_tokens", params["max_tokens"]),
+                ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("stop", "stop"),
+                ("random_seed", "seed"), ("text_input", params["prompt"]), ("prompt", params["prompt"]))
+    found = [(message.find(word), param) for word, param in keywords if word in message]
+    param = min(found)[1] if found else None
+    named = param is None or message.startswith(param)
+    return OpenAIError(400, message if named else f"{param}: {message}", param)
+
+
+# -- Triton ------------------------------------------------------------------------
+
+class TritonGateway:
+    """One asyncio gRPC channel to tritonserver, shared by all requests (create it inside the event loop)."""
+
+    def __init__(self, url: str, model: str = MODEL_NAME) -> None:
+        import tritonclient.grpc.aio as grpcaio
+
+        self._aio = grpcaio
+        self.url, self.model = url, model
+        self.client = grpcaio.InferenceServerClient(url)
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_server_ready() and await self.client.is_model_ready(self.model)
+        except Exception:  # unreachable, or not answering yet
+            return False
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    def _inputs(self, fields: dict) -> list:
+        inputs = []
+        for name, value in fields.items():
+            array, datatype = _as_array(name, value)
+            tensor = self._aio.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        return inputs
+
+    async def generate(self, request: TritonRequest) -> AsyncIterator:
+        """The model's responses (:class:`clover.client.Chunk`) to one request, up to the one with a
+        finish reason. Closing the generator before that cancels the request in Triton."""
+        import grpc
+
+        async def one_request():
+            yield {"model_name": self.model, "inputs": self._inputs(request.fields), "request_id": uuid.uuid4().hex}
+
+        call = self.client.stream_infer(one_request())
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    finished = True
+                    raise model_error(error.message(), request.params)
+                outputs = {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
+                chunk = _chunk(outputs, time.perf_counter())
+                finished = chunk.finish_reason is not None
+                yield chunk
+                if finished:
+                    return
+            raise _unavailable("tritonserver ended the response stream before the answer was complete")
+        except grpc.RpcError as exc:
+            finished = True
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise _unavailable(f"cannot reach tritonserver at {self.url}: {exc.details()}") from None
+            raise OpenAIError(500, f"tritonserver: {exc.details()}", kind="server_error") from None
+        finally:
+            if not finished:  # the client went away (or stopped reading): stop decoding for it
+                call.cancel()
+
+
+# -- responses ---------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def clover_stats(perf: dict | None, completion_tokens: int) -> dict | None:
+    """The ``clover`` extension field: the request's speculative-decoding counters."""
+    if not perf:
+        return None
+    steps = perf.get("num_decode_steps") or 0
+    return {"acceptance_rate": perf.get("acceptance_rate"),
+            "accepted_draft_tokens": perf.get("total_accepted_draft_tokens"),
+            "draft_tokens": perf.get("total_draft_tokens"), "decode_steps": steps,
+            "tokens_per_step": tokens_per_step(completion_tokens, steps)}
+
+
+class ResponseShape:
+    """What differs between chat and text completions in the response JSON."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def whole(self, text: str, finish_reason: str | None, tokens: dict, stats: dict | None,
+              token_ids: list[int] | None = None) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+        body["usage"] = tokens
+        if stats is not None:
+            body["clover"] = stats
+        return body
+
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
+              token_ids: list[int] | None = None) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def usage_chunk(self, tokens: dict) -> dict:
+        return {**self._envelope("chat.completion.chunk" if self.chat else "text_completion", []), "usage": tokens}
+
+
+async def whole_answer(chunks: AsyncIterator, request: TritonRequest, shape: ResponseShape) -> dict:
+    text, token_ids, reason, perf = [], [], None, None
+    async for chunk in chunks:
+        text.append(chunk.text)
+        token_ids.extend(chunk.token_ids)
+        reason, perf = chunk.finish_reason or reason, chunk.perf or perf
+    return shape.whole("".join(text), reason, usage(request.prompt_tokens, len(token_ids)),
+                       clover_stats(perf, len(token_ids)), token_ids if request.return_token_ids else None)
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def stream_events(first, chunks: AsyncIterator, request: TritonRequest, shape: ResponseShape):
+    """Server-sent events from the model's first response on; closing this closes ``chunks``."""
+    completion_tokens, perf, chunk = 0, None, first
+    try:
+        if shape.chat:
+            yield _sse(shape.chunk("", first=True))
+        while True:
+            completion_tokens += len(chunk.token_ids)
+            perf = chunk.perf or perf
+            ids = chunk.token_ids if request.return_token_ids else None
+            if chunk.text or chunk.finish_reason or ids:  # tokens whose text is held back send nothing else
+                event = shape.chunk(chunk.text, chunk.finish_reason, token_ids=ids)
+                if chunk.finish_reason:
+                    event["clover"] = clover_stats(perf, completion_tokens)
+                if request.include_usage:
+                    event["usage"] = None  # OpenAI: null on every chunk but the last
+                yield _sse(event)
+            if chunk.finish_reason:
+                break
+            chunk = await chunks.__anext__()
+        if request.include_usage:
+            yield _sse(shape.usage_chunk(usage(request.prompt_tokens, completion_tokens)))
+        yield _sse("[DONE]")
+    except OpenAIError as exc:  # the headers are sent: the error goes into the stream, as OpenAI does
+        yield _sse(exc.body())
+    finally:
+        await chunks.aclose()
+
+
+# -- the app -----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FrontendSettings:
+    grpc_url: str
+    context: int  # the engine's context in tokens (the default max_tokens fills it)
+    model: str = MODEL_NAME
+
+
+def _streaming_response_class():
+    import anyio
+    from starlette.responses import StreamingResponse
+
+    class CancellingStream(StreamingResponse):
+        """Stops the body (and so the Triton request) as soon as the client disconnects: Starlette itself
+        notices that only at the next write under ASGI >= 2.4 servers, and leaves the body unclosed."""
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                async with anyio.create_task_group() as group:
+                    async def stream() -> None:
+                        try:
+                            await self.stream_response(send)
+                        except OSError:  # the client went away during a write
+                            pass
+                        group.cancel_scope.cancel()
+
+                    group.start_soon(stream)
+                    await self.listen_for_disconnect(receive)
+                    group.cancel_scope.cancel()
+            finally:
+                await self.body_iterator.aclose()
+
+    return CancellingStream
+
+
+def create_app(settings: FrontendSettings, tokenizer):
+    """The FastAPI app; it opens its gRPC channel to Triton at startup."""
+    import contextlib
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        app.state.gateway = TritonGateway(settings.grpc_url, settings.model)
+        yield
+        await app.state.gateway.close()
+
+    app = FastAPI(title="Clover (OpenAI-compatible)", lifespan=lifespan, docs_url=None, redoc_url=None)
+    stream_class = _streaming_response_class()
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request, exc: Exception):
+        error = OpenAIError(500, f"{type(exc).__name__}: {exc}", kind="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):  # unknown routes, wrong methods
+        return JSONResponse(OpenAIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    async def model_card() -> dict:
+        if not await app.state.gateway.ready():
+            raise _unavailable(f"model {settings.model!r} is not ready in tritonserver at {settings.grpc_url}")
+        return {"id": settings.model, "object": "model", "created": 0, "owned_by": "clover"}
+
+    @app.get("/health")
+    async def health():
+        return await model_card()
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [await model_card()]}
+
+    @app.get("/v1/models/{model_id}")
+    async def get_model(model_id: str):
+        _check_model(model_id, settings.model)
+        return await model_card()
+
+    async def complete(request: Request, schema, to_triton, chat: bool):
+        body = parse_body(schema, await request.body())
+        _check_model(body.model, settings.model)
+        triton = to_triton(body, tokenizer, settings.context)
+        shape = ResponseShape(chat, settings.model)
+        chunks = app.state.gateway.generate(triton)
+        if not triton.stream:
+            return await _unless_disconnected(request, whole_answer(chunks, triton, shape))
+        first = await chunks.__anext__()  # a refusal comes before the first token: answered as an HTTP error
+        return stream_class(stream_events(first, chunks, triton, shape), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, ChatCompletionRequest, chat_request, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, CompletionRequest, completion_request, False)
+
+    return app
+
+
+async def _unless_disconnected(request, work):
+    """``await work``, cancelled (and with it the Triton request) if the client disconnects meanwhile."""
+    import asyncio
+
+    from starlette.responses import Response
+
+    task = asyncio.ensure_future(work)
+    while not (await asyncio.wait({task}, timeout=0.25))[0]:
+        if await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+    return task.result()
+
+
+def _check_model(name: str, served: str) -> None:
+    if name != served:
+        raise OpenAIError(404, f"The model {name!r} does not exist; this server serves {served!r}", "model",
+                          code="model_not_found")
+
+
+# -- process -----------------------------------------------------------------------
+
+def load_text_side(engine_dir: str | Path):
+    """The engine's tokenizer and context length: all the frontend needs of the engine."""
+    from clover.engine_dir import read_engine_meta
+    from clover.target import load_tokenizer
+
+    return load_tokenizer(engine_dir), read_engine_meta(engine_dir).limits.max_seq
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clover.serving.openai_frontend",
+                                     description="OpenAI-compatible HTTP frontend for the Clover Triton model")
+    parser.add_argument("--engine", type=Path, required=True, help="the served engine directory (tokenizer, context)")
+    parser.add_argument("--grpc-url", default="localhost:8001", help="tritonserver's gRPC address")
+    parser.add_argument("--model", default=MODEL_NAME, help="the Triton model (also the OpenAI model name)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--log-level", default="warning", help="uvicorn's log level (info: one line per request)")
+    args = parser.parse_args(argv)
+    import uvicorn
+
+    tokenizer, context = load_text_side(args.engine)
+    app = create_app(FrontendSettings(args.grpc_url, context, args.model), tokenizer)
+    # uvicorn handles SIGINT/SIGTERM: open streams get 5 s, then they are closed (cancelling their requests).
+    # After its shutdown it raises the signal again for the handler it found: exit 0, a stop we were asked for.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: sys.exit(0))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+class FrontendProcess:
+    """The frontend as a child process of ``clover serve``: started after tritonserver is ready, stopped first."""
+
+    def __init__(self, engine_dir: str | Path, grpc_url: str, port: int, host: str = "0.0.0.0",
+                 model: str = MODEL_NAME, log_file: str | Path | None = None) -> None:
+        self.engine_dir, self.grpc_url, self.port, self.host, self.model = engine_dir, grpc_url, port, host, model
+        self.log_file = Path(log_file) if log_file is not None else None
+        self.process: subprocess.Popen | None = None
+        self._log_handle = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "clover.serving.openai_frontend", "--engine", str(self.engine_dir),
+                "--grpc-url", self.grpc_url, "--model", self.model, "--host", self.host, "--port", str(self.port)]
+
+    def start(self) -> "FrontendProcess":
+        from clover.serving.server import ServerError, checkout_root
+
+        for package in ("fastapi", "uvicorn"):
+            if not _importable(package):
+                raise ServerError(f"--openai-port needs {package}: pip install -e '.[serve]'")
+        env = os.environ.copy()
+        root = str(checkout_root())
+        env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else root
+        if self.log_file is not None:
+            self._log_handle = open(self.log_file, "ab")
+        # a session of its own, like tritonserver: clover serve forwards Ctrl-C (stop()) in its order
+        self.process = subprocess.Popen(self.command(), env=env, stdin=subprocess.DEVNULL, stdout=self._log_handle,
+                                        stderr=subprocess.STDOUT if self._log_handle else None,
+                                        start_new_session=True)
+        return self
+
+    def poll(self) -> int | None:
+        return self.process.poll() if self.process is not None else None
+
+    def wait_ready(self, timeout_s: float = 120.0) -> "FrontendProcess":
+        """Block until ``/health`` answers 200 (it is up and reaches the model); ServerError if it exits first."""
+        from clover.serving.server import ServerError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.poll() is not None:
+                raise ServerError(f"the OpenAI frontend exited with code {self.poll()} before it was ready")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError(f"the OpenAI frontend was not ready at {self.url} after {timeout_s:.0f} s")
+            time.sleep(0.25)
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM (uvicorn's graceful shutdown), SIGKILL by PID after ``timeout_s``; returns the exit code."""
+        if self.process is None:
+            return None
+        try:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait(10)
+            return self.process.returncode
+        finally:
+            if self._log_handle is not None:
+                self._log_handle.close()
+                self._log_handle = None
+
+
+def _importable(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
