@@ -115,6 +115,9 @@ def cmd_generate(args) -> int:
         args.method = args.method or "clover"
         engine = TorchEngine.from_checkpoint(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir)
         tokenizer = load_tokenizer(engine.checkpoint_dir)
+        if args.adaptive is not False and args.method != "vanilla" and tree.static_choices is None:
+            print("[clover] timing the torch engine's steps for the adaptive tree budget (seconds)", file=sys.stderr)
+            engine.calibrate_cost_model(min(256, args.batch_size * (1 + args.tree_budget)))
     decoder = SpeculativeDecoder(engine, args.method, tree, tokenizer, max_batch_size=args.batch_size)
 
     requests = [GenerationRequest(encode_prompt(tokenizer, r["prompt"], not args.no_chat_template),

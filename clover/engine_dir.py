@@ -58,10 +58,6 @@ class EngineMeta:
     cost_model: CostModel | None = None  # None unless calibrated (build_engine.py, --recalibrate)
     contract_version: int = CONTRACT_VERSION
 
-    @property
-    def has_drafter(self) -> bool:
-        return self.drafter_config is not None
-
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name in ("limits", "target_config", "drafter_config", "tree_defaults", "cost_model"):

@@ -55,18 +55,6 @@ class TokenTree:
             mask[i, i] = True
         return mask
 
-    def retrieve_indices(self) -> torch.Tensor:
-        """int64 ``[num_leaves, max_depth + 1]``: node indices from root to each leaf, -1 padded."""
-        leaves = [i for i in range(len(self)) if not self.children(i)]
-        width = max(self.depths) + 1
-        out = torch.full((len(leaves), width), -1, dtype=torch.long)
-        for row, leaf in enumerate(leaves):
-            node = leaf
-            while node >= 0:
-                out[row, self.depths[node]] = node
-                node = self.parents[node]
-        return out
-
 
 DraftFn = Callable[[torch.Tensor, torch.Tensor, int], DraftResult]
 

@@ -9,6 +9,7 @@ import pytest
 from clover.prompts import encode_prompt
 from clover.decode import GenerationRequest, SequenceResult, SpeculativeDecoder
 from tests.conftest import write_tiny_checkpoint
+from tests.helpers import hf_greedy
 
 # different prompts and lengths (the byte-level tokenizer makes one token per byte)
 PROMPTS = ["hello there", "a", "write a poem about the sea", "1 2 3 4", "What is 2+2?", "zzz", "The quick brown fox",
@@ -31,31 +32,47 @@ def tiny_engine_dir(tmp_path_factory) -> Path:
 
 
 class Reference:
-    """Solo (batch 1) vanilla greedy decoding on the same engine: what every served answer must equal."""
+    """What every served answer must equal: transformers greedy decoding of the engine's checkpoint
+    (tests/helpers.py::hf_greedy, independent of clover's decode loop), up to EOS.
 
-    def __init__(self, engine_dir: Path) -> None:
+    Returns the solo (batch 1) vanilla :class:`SequenceResult` of the same engine (for its text and finish
+    reason) after checking that its tokens are exactly the independent reference's.
+    """
+
+    def __init__(self, engine_dir: Path, checkpoint: Path | None = None) -> None:
         from clover.backends.onnxruntime import OnnxRuntimeEngine
         from clover.target import load_tokenizer
 
         self.engine = OnnxRuntimeEngine(engine_dir, threads=1)
         self.tokenizer = load_tokenizer(engine_dir)
+        self.checkpoint = checkpoint or Path(engine_dir).parent / "checkpoint"  # as build_tiny_engine lays it out
         self._cache: dict = {}
+
+    def prompt_ids(self, prompt: str, chat: bool = True) -> list[int]:
+        """The prompt's ids straight from the tokenizer (its chat template), checked against clover's encoding."""
+        if chat:
+            ids = list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                          add_generation_prompt=True, return_dict=False))
+        else:
+            ids = self.tokenizer.encode(prompt)
+        assert encode_prompt(self.tokenizer, prompt, chat) == ids
+        return ids
 
     def __call__(self, prompt: str, max_tokens: int, chat: bool = True) -> SequenceResult:
         key = (prompt, max_tokens, chat)
         if key not in self._cache:
+            ids = self.prompt_ids(prompt, chat)
+            expected = hf_greedy(self.checkpoint, [ids], max_tokens, stop_token_ids=(self.tokenizer.eos_token_id,))[0]
             decoder = SpeculativeDecoder(self.engine, "vanilla", tokenizer=self.tokenizer)
-            request = GenerationRequest(encode_prompt(self.tokenizer, prompt, chat), max_new_tokens=max_tokens)
-            self._cache[key] = decoder.generate([request])[0]
+            result = decoder.generate([GenerationRequest(ids, max_new_tokens=max_tokens)])[0]
+            assert result.token_ids == expected, f"clover's vanilla decoding of {prompt!r} is not greedy"
+            self._cache[key] = result
         return self._cache[key]
-
 
     def unused_token(self, prompt: str, max_tokens: int) -> int:
         """A token id that greedy decoding of ``prompt`` does not produce within ``max_tokens`` (an ``end_id``
         that never ends the answer, for tests that need a long one)."""
-        decoder = SpeculativeDecoder(self.engine, "vanilla", tokenizer=self.tokenizer)
-        request = GenerationRequest(encode_prompt(self.tokenizer, prompt), max_new_tokens=max_tokens, stop_token_ids=())
-        produced = set(decoder.generate([request])[0].token_ids)
+        produced = set(hf_greedy(self.checkpoint, [self.prompt_ids(prompt)], max_tokens)[0])
         return min(t for t in range(self.engine.spec.vocab_size) if t not in produced)
 
 

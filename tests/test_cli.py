@@ -9,6 +9,7 @@ from clover.cli import main
 from clover.drafters import save_drafter
 from clover.target import load_target
 from tests.conftest import make_drafter, write_tiny_checkpoint
+from tests.helpers import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,10 +17,15 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"))
+
+
+PROMPT_TEXTS = ["hello there", "a", "write a poem about the sea"]
+
+
 def _run_batch(tmp_path, ckpt, method, *extra):
     prompts = tmp_path / "in.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": text}) + "\n"
-                               for i, text in enumerate(["hello there", "a", "write a poem about the sea"])))
+                               for i, text in enumerate(PROMPT_TEXTS)))
     out, summary = tmp_path / f"{method}.jsonl", tmp_path / f"{method}.json"
     code = main(["generate", "--target", str(ckpt), "--prompts-file", str(prompts), "--output", str(out),
                  "--summary", str(summary), "--method", method, "--max-new-tokens", "20", "--batch-size", "2", *extra])
@@ -34,6 +40,12 @@ def test_batch_generation_is_lossless_and_well_formed(tmp_path, tiny_checkpoint)
     clover, c_summary = _run_batch(tmp_path, tiny_checkpoint, "clover", "--drafter", str(drafter_dir),
                                    "--tree-budget", "6")
     assert [r["id"] for r in clover] == ["p0", "p1", "p2"]
+    # the independent reference: transformers greedy decoding of the chat-templated prompts, up to EOS
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_checkpoint))
+    prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                return_dict=False) for text in PROMPT_TEXTS]
+    expected = hf_greedy(tiny_checkpoint, prompt_ids, 20, stop_token_ids=(tokenizer.eos_token_id,))
+    assert [v["token_ids"] for v in vanilla] == expected
     for v, c in zip(vanilla, clover):
         assert c["token_ids"] == v["token_ids"] and c["text"] == v["text"]
         assert c["new_tokens"] == len(c["token_ids"]) and 0 < c["new_tokens"] <= 20

@@ -12,6 +12,7 @@ from clover.backends.onnxruntime import OnnxRuntimeEngine
 from clover.backends.torch import TorchEngine
 from clover.cli import main as clover_main
 from clover.config import ConfigError, TreeConfig
+from clover.engine_contract import DRAFT_INPUTS, TARGET_INPUTS
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.drafters import load_drafter, save_drafter
 from clover.export.builder import build_engine
@@ -127,11 +128,12 @@ def test_engine_json_is_self_describing(engines):
     assert meta["contract_version"] == 1 and meta["dtype"] == "fp32"
     assert meta["drafter_config"]["method"] == "clover" and meta["num_kv_layers"] == 3
     names = [t["name"] for t in meta["tensors"]["target"]["inputs"]]
-    assert names[:4] == ["input_ids", "position_ids", "past_lengths", "spec_decoding_packed_mask"]
+    assert names[:4] == ["input_ids", "position_ids", "past_lengths", "spec_decoding_packed_mask"] == list(TARGET_INPUTS)
     assert names[4:] == ["past_key_0", "past_value_0", "past_key_1", "past_value_1", "past_key_2", "past_value_2"]
     outputs = [t["name"] for t in meta["tensors"]["target"]["outputs"]]
     assert outputs[:2] == ["logits", "h0"] and outputs[2] == "present_key_0"
     assert [t["name"] for t in meta["tensors"]["draft_step"]["outputs"]] == ["next_hidden", "topk_logprobs", "topk_ids"]
+    assert [t["name"] for t in meta["tensors"]["draft_step"]["inputs"]] == list(DRAFT_INPUTS)
     model = onnx.load(str(engines[("llama", "clover")] / "target.onnx"), load_external_data=False)
     assert model.opset_import[0].version >= 17
     dims = [d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim]

@@ -93,4 +93,3 @@ def test_tree_buffers():
     assert batch.packed_mask[1].flatten().tolist() == [1, 2, 4, 8]  # padding rows see only themselves
     assert torch.equal(unpack_mask(batch.packed_mask, 4), batch.ancestors)
     assert batch.valid.tolist() == [[True] * 4, [True, False, False, False]]
-    assert tree.retrieve_indices().tolist() == [[0, 2, -1], [0, 1, 3]]

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from clover.config import ConfigError
-from clover.engine_contract import DraftResult, TargetResult, cache_input_names, present_output_names
+from clover.engine_contract import (DRAFT_OUTPUTS, TARGET_OUTPUTS, DraftResult, TargetResult, cache_input_names,
+                                    present_output_names)
 from clover.engine_dir import EngineMeta, engine_spec, read_engine_meta
 
 
@@ -53,7 +54,7 @@ class OnnxRuntimeEngine:
         num_kv = self.spec.num_kv_layers
         self._cache_names = cache_input_names(num_kv)
         self._present_names = present_output_names(num_kv)
-        self._target_outputs = ["logits", "h0", *self._present_names]
+        self._target_outputs = [*TARGET_OUTPUTS, *self._present_names]
 
     def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
         feeds = {
@@ -74,5 +75,5 @@ class OnnxRuntimeEngine:
             raise RuntimeError("this engine was built without a drafter; use method 'vanilla'")
         feeds = {"hidden": hidden.contiguous().numpy(), "token": token.contiguous().numpy(),
                  "head": torch.tensor(head, dtype=torch.long).numpy()}
-        next_hidden, logprobs, ids = self.draft_session.run(["next_hidden", "topk_logprobs", "topk_ids"], feeds)
+        next_hidden, logprobs, ids = self.draft_session.run(list(DRAFT_OUTPUTS), feeds)
         return DraftResult(torch.from_numpy(next_hidden), torch.from_numpy(logprobs), torch.from_numpy(ids))

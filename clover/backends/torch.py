@@ -71,6 +71,7 @@ class TorchEngine:
                  draft_top_k: int = 8) -> None:
         cfg = target.config
         self.checkpoint_dir: Path | None = None  # set by from_checkpoint
+        self.cost_model = None  # step times for adaptive trees: calibrate_cost_model()
         self.target_step = TargetStep(target, drafter).eval()
         self.draft = DraftStep(target, drafter, draft_top_k).eval() if drafter is not None else None
         self.spec = EngineSpec(
@@ -115,6 +116,14 @@ class TorchEngine:
         engine = cls(model, heads, max_seq_len=max_seq_len, draft_top_k=draft_top_k)
         engine.checkpoint_dir = Path(path)
         return engine
+
+    def calibrate_cost_model(self, max_tokens: int, repeats: int = 3):
+        """Time this engine's steps (seconds on a CPU) and keep the cost model, so adaptive trees work on the
+        torch path too: there is no engine directory to store one in (docs/trees.md#adaptive-tree-budget)."""
+        from clover.adaptive import calibrate
+
+        self.cost_model = calibrate(self, max_tokens=max_tokens, repeats=repeats, source="torch, measured at load")
+        return self.cost_model
 
     @torch.inference_mode()
     def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:

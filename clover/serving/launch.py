@@ -161,29 +161,12 @@ def _wait_for_exit(server: TritonServer, frontend, out: TextIO) -> int:
             return 1
 
 
-def _stale_demo_engine(engine_dir: Path) -> bool:
-    """True when the default demo engine is missing or was built with other heads than the shipped ones."""
-    from clover.config import ConfigError
-    from clover.demo import resolve_drafter
-    from clover.engine_dir import read_engine_meta
-
-    try:
-        meta = read_engine_meta(engine_dir)
-    except (ConfigError, FileNotFoundError):
-        return True
-    return meta.source.get("drafter") != resolve_drafter(None, "demo")
-
-
 def ensure_demo_engine(engine: str | Path | None = None, out: TextIO = sys.stdout) -> Path:
-    """The demo engine directory, built first if it is missing (or, the default one, stale)."""
-    engine_dir = Path(engine) if engine is not None else default_engine_dir(checkout_root())
-    # the default engine is rebuilt when it predates the shipped heads
-    if not (engine_dir / "engine.json").exists() or (engine is None and _stale_demo_engine(engine_dir)):
-        from clover.export.builder import build_engine
+    """The demo engine directory, built first if it is missing (or, the default one, stale):
+    :func:`clover.export.builder.ensure_demo_engine` with the progress on ``out``."""
+    from clover.export.builder import ensure_demo_engine as build_if_needed
 
-        print(f"[clover] building the demo engine in {engine_dir} (once)", file=out, flush=True)
-        build_engine(engine_dir, "demo", overwrite=True)
-    return engine_dir
+    return build_if_needed(engine, progress=lambda message: print(f"[clover] {message}", file=out, flush=True))
 
 
 def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens: int = 96,
@@ -241,10 +224,9 @@ def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens:
                   f"(x{(c_tokens / c_time) / (v_tokens / v_time):.2f}); acceptance rate "
                   f"{accepted / drafted if drafted else 0:.2f}; identical text: {'yes' if same else 'NO'}",
                   file=out, flush=True)
-            if drafted and accepted / drafted < 0.2:
-                print("[clover] the draft heads rarely hit (untrained heads?): speculative steps then cost more "
-                      "than they save; trained heads (--drafter for export/build_engine.py) give the speed-up",
-                      file=out, flush=True)
+            note = _speed_note(engine_dir, (c_tokens / c_time) / (v_tokens / v_time))
+            if note:
+                print(f"[clover] {note}", file=out, flush=True)
             print("[clover] stopping the server", file=out, flush=True)
         return 0 if same else 1
     except ServerError as exc:
@@ -255,3 +237,21 @@ def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens:
         return 130
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _speed_note(engine_dir: Path, ratio: float) -> str | None:
+    """Why speculation did not pay, where it did not: untrained heads only when the engine has them."""
+    from clover.engine_dir import read_engine_meta
+
+    if ratio >= 1.0:
+        return None
+    meta = read_engine_meta(engine_dir)
+    if meta.drafter_config is not None and meta.source.get("drafter") is None:
+        return ("this engine's draft heads are untrained (initialised from the target): speculative steps cost "
+                "more than they save; trained heads (--drafter for export/build_engine.py) give the speed-up")
+    if meta.cost_model is None:
+        return ("this engine has no cost model, so every step drafts a full tree; rebuild it with calibration "
+                "(the default) or run export/build_engine.py --recalibrate, and decoding falls back to vanilla "
+                "steps where drafting does not pay")
+    return ("speculation did not pay on this machine for these answers (see docs/results/README.md for the "
+            "measured step costs and tokens/step)")
