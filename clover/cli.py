@@ -187,7 +187,13 @@ def add_serve_parser(subparsers) -> None:
         description="Run tritonserver on the Clover model repository (triton_repo/), pointed at an engine "
                     "directory: a tritonserver on PATH, else the binary of the nvidia-pytriton wheel. Concurrent "
                     "requests share decode steps (in-flight batching); streaming uses decoupled mode. "
-                    "Ctrl-C stops the server cleanly.",
+                    "Ctrl-C or SIGTERM drains: new requests are refused, those in flight get --drain-timeout "
+                    "seconds, then are cancelled. Closed by default: binds 127.0.0.1, and Triton's admin APIs "
+                    "(shared memory, model repository, config, statistics, trace, logging) need the header "
+                    "clover-admin-key: $CLOVER_ADMIN_KEY (unset: a random key, so they are closed). "
+                    "Exit code: 0 after a clean shutdown; 1 when tritonserver did not exit cleanly or a model's "
+                    "Python backend stub died (the server is then stopped), so a supervisor (systemd "
+                    "Restart=on-failure, Kubernetes) restarts it. See docs/serving.md.",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--engine", type=Path, help="engine directory from export/build_engine.py "
@@ -203,7 +209,11 @@ def add_serve_parser(subparsers) -> None:
                         "with the engine's cost model; default: whenever the engine has one (export/build_engine.py "
                         "calibrates by default); --no-adaptive keeps --tree-budget fixed")
     p.add_argument("--threads", type=int, default=0, help="engine CPU threads (0: the backend's default)")
-    p.add_argument("--host", default="0.0.0.0", help="address the endpoints bind to")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the endpoints bind to (0.0.0.0: every interface, reachable from other machines)")
+    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="at shutdown, seconds in-flight requests may still run before they are cancelled "
+                        "(tritonserver's --exit-timeout-secs is 5 s more)")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: a free one)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: a free one)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (0: a free one)")
@@ -232,7 +242,8 @@ def cmd_serve(args) -> int:
     return serve(args.engine, backend=args.backend, method=args.method, max_batch=args.max_batch,
                  tree_budget=args.tree_budget, adaptive=args.adaptive, threads=args.threads, host=args.host, http_port=args.http_port,
                  grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_repository=args.model_repository,
-                 startup_timeout_s=args.startup_timeout, log_file=args.log_file, openai_port=args.openai_port)
+                 startup_timeout_s=args.startup_timeout, log_file=args.log_file, openai_port=args.openai_port,
+                 drain_s=args.drain_timeout)
 
 
 def add_client_parser(subparsers) -> None:

@@ -38,10 +38,26 @@ def refuse_empty_prompt(prompt: str | Sequence[int]) -> None:
         raise ConfigError("the prompt is empty")
 
 
-def cut_at_stop(text: str, stop_strings: Iterable[str]) -> str:
-    """``text`` up to (not including) the earliest stop string in it; empty stop strings never match."""
-    starts = [start for start in (text.find(stop) for stop in stop_strings if stop) if start >= 0]
+def cut_at_stop(text: str, stop_strings: Iterable[str], start: int = 0) -> str:
+    """``text`` up to (not including) the earliest stop string in it; empty stop strings never match.
+
+    ``start``: search only from there (see :func:`stop_search_start`), so the cost per decode step does not
+    grow with the text already searched (docs/serving.md#shutdown-faults-and-security).
+    """
+    starts = [found for found in (text.find(stop, start) for stop in stop_strings if stop) if found >= 0]
     return text[: min(starts)] if starts else text
+
+
+# characters at the end of the text searched before that a tokenizer may still revise (a partial UTF-8
+# character decoded as U+FFFD, a merged space) and are searched again
+_STOP_REVISION_CHARS = 8
+
+
+def stop_search_start(searched_chars: int, stop_strings: Iterable[str]) -> int:
+    """Where to search for stop strings in text that grew from ``searched_chars`` characters, already searched:
+    a stop string ending in the new text starts at most its length (less one) before it."""
+    longest = max((len(stop) for stop in stop_strings), default=0)
+    return max(0, searched_chars - longest - _STOP_REVISION_CHARS)
 
 
 @dataclasses.dataclass
@@ -145,6 +161,7 @@ class _Sequence:
         self.stop_ids = set(stop_ids)
         self.decode_text = decode_text
         self.generated: list[int] = []
+        self._searched_chars = 0  # text of ``generated`` already searched for stop strings
         self.stats = SequenceStats()
         self.finish_reason: str | None = None
         self.generator = torch.Generator().manual_seed(request.seed)
@@ -174,16 +191,19 @@ class _Sequence:
 
     def _stop_string_cut(self, checked: int) -> int | None:
         """Smallest token count whose text contains a stop string (searching new tokens only)."""
-        if not self._has_stop_string(self.generated):
+        start = stop_search_start(self._searched_chars, self.request.stop_strings)
+        text = self.decode_text(self.generated)
+        if cut_at_stop(text, self.request.stop_strings, start) == text:
+            self._searched_chars = len(text)
             return None
         for n in range(max(1, checked), len(self.generated) + 1):
-            if self._has_stop_string(self.generated[:n]):
+            if self._has_stop_string(self.generated[:n], start):
                 return n
         return len(self.generated)
 
-    def _has_stop_string(self, token_ids: list[int]) -> bool:
+    def _has_stop_string(self, token_ids: list[int], start: int) -> bool:
         text = self.decode_text(token_ids)
-        return cut_at_stop(text, self.request.stop_strings) != text
+        return cut_at_stop(text, self.request.stop_strings, start) != text
 
     def result(self) -> SequenceResult:
         text = None

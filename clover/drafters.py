@@ -165,13 +165,24 @@ class Drafter(nn.Module):
             continue from) and logits ``[N, V]`` for the token i+1 places after
             the last accepted position.
         """
+        next_hidden, _, logits = self.step_with_feature(hidden, token, head, lm_head_weight)
+        return next_hidden, logits
+
+    def step_with_feature(self, hidden, token, head, lm_head_weight):
+        """:meth:`step` plus the head's feature ``[N, H]``: the ResBlock's output, which training
+        regresses onto the target's last hidden state (Clover-2; training/train.py ``--regression-weight``).
+
+        Clover's feature is pre-norm (its ``head_norm`` follows), like the target's last hidden state;
+        Medusa's is post-norm (its frozen ``head_norm`` comes first), like ``norm(last hidden)``.
+        """
         if self.is_medusa:
-            return hidden, self.heads(self.head_norm(hidden), head) @ lm_head_weight.T
+            feature = self.heads(self.head_norm(hidden), head)
+            return hidden, feature, feature @ lm_head_weight.T
         next_hidden = hidden
         if self.regressive is not None:
             next_hidden = self.regressive(hidden, self.embed(token, lm_head_weight))
-        logits = self.head_norm(self.heads(next_hidden, head)) @ lm_head_weight.T
-        return next_hidden, logits
+        feature = self.heads(next_hidden, head)
+        return next_hidden, feature, self.head_norm(feature) @ lm_head_weight.T
 
 
 def check_compatible(config: DrafterConfig, target: LlamaTarget, source: str = "drafter") -> None:

@@ -114,5 +114,7 @@ class KVCache:
             new = torch.stack(presents)  # [L, n, Hkv, T, D]: small, only this step's tokens
             for i, (start, count) in enumerate(zip(starts, counts_list)):
                 if count:  # one slice copy per row for all layers
-                    cache[:, first_row + i, :, start : start + count] = new[:, i, :, source_index[i, :count]]
+                    # index_select, not new[:, i, :, index]: torch's advanced indexing takes ~10 ms here on CPU
+                    # (measured 2026-12-01, torch 2.13), index_select ~10 us
+                    cache[:, first_row + i, :, start : start + count] = new[:, i].index_select(2, source_index[i, :count])
         self._lengths[rows] += counts.to(torch.int32)

@@ -16,7 +16,7 @@ from tests.conftest import make_drafter, write_tiny_checkpoint
 from tests.helpers import hf_greedy
 
 quiet = dict(progress=lambda message: None)
-METHODS = ["vanilla", "medusa", "clover", "adaptive-clover"]
+METHODS = ["vanilla", "medusa", "clover", "adaptive-clover", "default-clover"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def engines(tmp_path_factory):
 def test_quick_bench_writes_every_method(engines, tmp_path):
     clover, medusa = engines
     out = tmp_path / "report"
-    assert bench_main(["--engine", str(clover), "--medusa-engine", str(medusa), "--output", str(out), "--quick",
+    assert bench_main(["--engine", str(clover), "--medusa-engine", str(medusa), "--output", str(out), "--quick", "--prompts", "builtin",
                        "--sweeps", "batch,budget,heads,hf", "--extra-engine", f"medusa-again={medusa}",
                        "--silent", "--max-new-tokens", "8", "--threads", "1"]) == 0
     report = json.loads((out / "bench.json").read_text())
@@ -46,6 +46,12 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
         assert batch[name]["x"] == [1, 2, 4]
         assert all(s["n"] == 2 and s["min"] <= s["median"] <= s["max"] and s["median"] > 0
                    for s in batch[name]["tokens_per_s"])
+    for sample in (s for s in report["samples"] if s["sweep"] == "batch"):  # where each decode's time went
+        assert sample["target_ms"] > 0 and sample["host_ms"] >= 0 and sample["draft_ms"] >= 0
+        if sample["method"] == "vanilla":
+            assert sample["draft_ms"] == 0
+        elif sample["method"] in ("clover", "medusa"):  # fixed budgets draft every step; adaptive ones may not
+            assert sample["draft_ms"] > 0
     assert report["sweeps"]["budget"]["methods"]["clover"]["x"] == [1, 4, 8]
     heads = report["sweeps"]["heads"]["methods"]["clover"]
     assert heads["x"] == [1, 2, 3]
@@ -65,7 +71,7 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
                 per_repeat.setdefault(s["repeat"], set()).add((s["x"], s["method"]))
         assert len(per_repeat) == 2 and len({frozenset(v) for v in per_repeat.values()}) == 1
     assert any("budgets" in s for s in report["samples"] if s["method"] == "adaptive-clover")
-    assert {a["aim"].split(",")[0] for a in report["aims"]} >= {"clover / vanilla tokens/s",
+    assert {a["aim"].split(",")[0] for a in report["aims"]} >= {"default clover / vanilla tokens/s",
                                                                "adaptive clover / vanilla tokens/s"}
     md = (out / "bench.md").read_text()
     for name in METHODS + ["hf-greedy", "hf-prompt-lookup"]:
@@ -113,7 +119,7 @@ def test_triton_sweep_through_the_real_server(engines, tmp_path, monkeypatch):
     calibrated = build_engine(tmp_path / "calibrated", str(clover.parent / "ckpt"), None, max_seq=128, num_heads=3,
                               calibrate=True, calibrate_max_tokens=16, **quiet)
     out = tmp_path / "report"
-    assert bench_main(["--engine", str(calibrated), "--medusa-engine", str(medusa), "--output", str(out), "--quick",
+    assert bench_main(["--engine", str(calibrated), "--medusa-engine", str(medusa), "--output", str(out), "--quick", "--prompts", "builtin",
                        "--sweeps", "triton", "--silent", "--max-new-tokens", "6", "--threads", "1"]) == 0
     report = json.loads((out / "bench.json").read_text())
     methods = report["sweeps"]["triton"]["methods"]

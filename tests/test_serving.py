@@ -250,7 +250,7 @@ def test_bad_engine_dir_fails_the_model_load_with_a_clear_message(server, tmp_pa
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         with pytest.raises(InferenceServerException, match="no-such-engine does not exist"):
-            client.load_model("clover_bad")
+            client.load_model("clover_bad", headers=server.grpc_admin_headers)  # an admin API: needs the key
         assert not client.is_model_ready("clover_bad") and client.is_model_ready("clover")
     finally:
         client.close()

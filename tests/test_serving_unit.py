@@ -338,7 +338,7 @@ def test_shutdown_ends_running_requests_with_an_error(ort_engine):
     batcher.shutdown()
     assert running.done.is_set() and "shutting down" in running.final.error
     assert not batcher.alive
-    with pytest.raises(RuntimeError, match="shut down"):
+    with pytest.raises(RuntimeError, match="shutting down"):
         batcher.submit(_request(tokenizer, "a", 5), _Collector())
 
 
@@ -426,7 +426,7 @@ class FakePbUtils:
     TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 
     class TritonError(Exception):
-        INVALID_ARG = 3
+        INTERNAL, INVALID_ARG, UNAVAILABLE = 1, 3, 4  # triton_python_backend_utils' values
 
         def __init__(self, message, code=None):
             super().__init__(message)

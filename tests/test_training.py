@@ -470,3 +470,190 @@ def test_commands_end_to_end(tiny, tmp_path):
     assert "head 3 top-5" in card and "clover / medusa" in card
     assert load_drafter(shipped, tiny["target"]).config.method == "clover"
     assert ship_heads.main(["--run", str(tmp_path / "nothing"), "--output", str(shipped), "--name", "x"]) == 2
+
+
+# ---------------------------------------------------------------------------
+# issue 12: ShareGPT, soft labels, Clover-2 regression, on-the-fly features, MT-bench
+
+
+def sharegpt_array(records: list[dict]) -> str:
+    return "[\n" + ",\n".join(json.dumps(r, indent=2) for r in records) + "\n]"
+
+
+def sharegpt_conversations(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        turns = [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+                 {"from": "gpt", "value": f"The answer is {2 * i}. " * 3}]
+        if i % 2:
+            turns += [{"from": "human", "value": "And times two?"}, {"from": "gpt", "value": f"That is {4 * i}."}]
+        out.append({"id": f"conv{i // 2}_{i % 2}", "conversations": turns})
+    return out
+
+
+def test_sharegpt_reader_counts_a_truncated_tail(tmp_path):
+    from training import sharegpt
+
+    records = sharegpt_conversations(5)
+    whole = tmp_path / "whole.json"
+    whole.write_text(sharegpt_array(records))
+    cut = tmp_path / "cut.json"
+    text = sharegpt_array(records)
+    cut.write_text(text[: text.index('"conv2_0"') + 40])  # the 5th record cut in its middle, like the 125 MB file
+    for chunk in (7, 1 << 20):  # records straddle the reader's chunks
+        stats = sharegpt.ReadStats()
+        assert list(sharegpt.read_sharegpt(whole, stats, chunk_chars=chunk)) == records
+        assert (stats.records, stats.broken_tail_records) == (5, 0)
+        stats = sharegpt.ReadStats()
+        assert list(sharegpt.read_sharegpt(cut, stats, chunk_chars=chunk)) == records[:4]
+        assert (stats.records, stats.broken_tail_records) == (4, 1) and stats.broken_tail_chars > 0
+
+
+def test_sharegpt_build_splits_by_conversation_and_tokenises_exactly(tiny, tmp_path):
+    from training import sharegpt
+
+    records = sharegpt_conversations(40)
+    records[3]["conversations"].insert(0, {"from": "gpt", "value": "a continuation"})  # a later part
+    source = tmp_path / "sg.json"
+    text = sharegpt_array(records)
+    source.write_text(text[:-30])
+    stats = sharegpt.build(source, tmp_path / "out", tiny["tokenizer"], eval_fraction=0.3, max_prompt_tokens=400,
+                           progress=False)
+    assert stats["broken_tail_records"] == 1 and stats["records_read"] == 39 and stats["human_turns"] > 39
+    groups = {split: {r["group"] for r in distill_mod.read_jsonl(tmp_path / "out" / f"prompts_{split}.jsonl")}
+              for split in ("train", "eval")}
+    assert groups["train"] and groups["eval"] and not groups["train"] & groups["eval"]
+    assert "conv1" in groups["train"] | groups["eval"]  # conv1_0 and conv1_1 share the group conv1
+    tok = tiny["tokenizer"]
+    teacher = distill_mod.read_jsonl(tmp_path / "out" / "teacher_train.jsonl")
+    assert any(r["task"] == "multi_turn" for r in teacher)
+    for r in teacher:
+        assert r["prompt_ids"] == tok.apply_chat_template(r["messages"], add_generation_prompt=True, return_dict=False)
+        assert r["messages"][-1]["role"] == "user" and r["response_ids"][-1] == tok.convert_tokens_to_ids("<|im_end|>")
+        assert tok.decode(r["response_ids"][:-1]).startswith("The answer is") or "That is" in tok.decode(r["response_ids"])
+
+
+def test_soft_cross_entropy_equals_hard_for_one_hot():
+    gen = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(7, 11, generator=gen), torch.randint(0, 11, (7,), generator=gen)
+    one_hot = torch.nn.functional.one_hot(labels, 11).float()
+    hard = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+    torch.testing.assert_close(train_mod.soft_cross_entropy(logits, one_hot), hard)
+    smooth = 0.9 * one_hot + 0.1 / 11
+    assert not torch.allclose(train_mod.soft_cross_entropy(logits, smooth), hard)
+
+
+def greedy_batch(tiny, distilled):
+    """A batch of the tiny target's own greedy answers, with both cached hidden states."""
+    records = [r for r in distilled if r["sampling"]["temperature"] == 0][:3]
+    ids = [r["prompt_ids"] + r["response_ids"] for r in records]
+    width = max(map(len, ids))
+    tokens = torch.zeros(len(ids), width, dtype=torch.long)
+    assistant = torch.zeros(len(ids), width, dtype=torch.bool)
+    for row, (seq, r) in enumerate(zip(ids, records)):
+        tokens[row, : len(seq)] = torch.tensor(seq)
+        assistant[row, len(r["prompt_ids"]): len(seq)] = True
+    with torch.no_grad():
+        last_input, last_hidden = cache_mod.target_hidden_states(tiny["target"], tokens)
+    return train_mod.Batch(last_input, last_hidden, tokens, assistant, torch.tensor([len(s) for s in ids]),
+                           [r["category"] for r in records])
+
+
+def test_soft_label_and_regression_target_positions(tiny, distilled):
+    """On the target's greedy answers the target's top-1 at the label source position is the label itself;
+    one place off, it is not. The regression term reads the same position."""
+    target, batch = tiny["target"], greedy_batch(tiny, distilled)
+    weight = target.lm_head.weight.float()
+    roots = train_mod.find_roots(batch, 3)
+    for i in range(3):
+        rows = roots.valid[:, i].nonzero().flatten()
+        b, p = train_mod.label_source_positions(roots, rows, i)
+        predicted = train_mod.target_logits(target, weight, batch.x_last[b, p]).argmax(-1)
+        assert torch.equal(predicted, roots.labels[rows, i])
+        shifted = train_mod.target_logits(target, weight, batch.x_last[b, p - 1]).argmax(-1)
+        assert (shifted != roots.labels[rows, i]).float().mean() > 0.5
+    for method in ("clover", "medusa"):
+        drafter = make_drafter(target, method=method, num_heads=3, seed=2)
+        kwargs = dict(row_chunk=1000, weights=[1.0, 0.7, 0.49], train=False, labels="soft")
+        plain = train_mod.run_batch(drafter, target, weight, batch, regression_weight=0.0, **kwargs)["loss"]
+        with_reg = train_mod.run_batch(drafter, target, weight, batch, regression_weight=2.0, **kwargs)["loss"]
+        h_rows = train_mod.compute_h0(drafter, target, batch)[roots.b, roots.t]
+        expected = 0.0
+        for i, rows, feature, _ in train_mod.head_outputs(drafter, weight, h_rows, roots.tok_in, roots.valid):
+            goal = batch.x_last[roots.b[rows], roots.t[rows] + i + 1]  # token t+i+2 is predicted from t+i+1
+            goal = target.norm(goal) if method == "medusa" else goal
+            reg = torch.nn.functional.smooth_l1_loss(feature, goal, reduction="none").mean(-1).sum()
+            expected += [1.0, 0.7, 0.49][i] * 2.0 * float(reg) / int(roots.valid[:, i].sum())
+        assert with_reg - plain == pytest.approx(expected, rel=1e-4), method
+
+
+def test_live_features_equal_the_cache(tiny, distilled, cache_dir, tmp_path):
+    exact = cache_mod.HiddenCache(cache_mod.build_cache(distilled, tiny["target"], tmp_path / "c32", dtype="float32",
+                                                        progress=False))
+    live = cache_mod.LiveFeatures(distilled, tiny["target"])
+    assert [c["id"] for c in live.conversations] == [c["id"] for c in exact.conversations]
+    for i in (0, len(live) - 1):
+        a, b = live.conversation(i), exact.conversation(i)
+        for name in ("last_layer_input", "last_hidden"):
+            np.testing.assert_allclose(a[name], b[name], atol=1e-5)
+        assert np.array_equal(a["tokens"], b["tokens"]) and np.array_equal(a["assistant_mask"], b["assistant_mask"])
+    both = cache_mod.open_training_data(f"{cache_dir},{tmp_path / 'c32'}")
+    assert len(both) == 2 * len(exact) and both.index["num_tokens"] == 2 * exact.index["num_tokens"]
+    assert exact.index["disk_bytes"] == cache_mod.disk_bytes(exact.index["num_tokens"], 32, "float32")
+
+
+def test_soft_regression_training_resumes_bit_exact_with_a_curve(tiny, cache_dir, tmp_path):
+    target = tiny["target"]
+    extra = dict(labels="soft", regression_weight=10.0, head_decay=0.7, epochs=3, eval_cache=str(cache_dir),
+                 eval_every=3, eval_conversations=6)
+    ref = train_mod.train(tiny_config(cache_dir, tmp_path / "ref", **extra), target=target)
+
+    def kill(step):
+        if step == 5:
+            raise train_mod.Interrupted
+
+    cfg = tiny_config(cache_dir, tmp_path / "cut", **extra)
+    with pytest.raises(train_mod.Interrupted):
+        train_mod.train(cfg, target=target, on_step=kill)
+    resumed = train_mod.train(cfg, target=target)
+    assert resumed["steps"] == ref["steps"] > 6
+    assert train_mod.run_digest(tmp_path / "ref") == train_mod.run_digest(tmp_path / "cut")
+    curve = [json.loads(x) for x in (tmp_path / "cut" / train_mod.EVAL_LOG_FILE).read_text().splitlines()]
+    assert [c["step"] for c in curve] == sorted({*range(3, ref["steps"] + 1, 3), ref["steps"]})
+    assert all(len(c["top1"]) == 3 and len(c["agree1"]) == 3 for c in curve)
+    log = [json.loads(x) for x in (tmp_path / "cut" / train_mod.LOG_FILE).read_text().splitlines()]
+    assert np.mean([r["loss"] for r in log[-4:]]) < np.mean([r["loss"] for r in log[:4]])
+
+
+def test_mtbench_decoding_resumes_after_a_kill(tiny, tmp_path, monkeypatch):
+    questions = tmp_path / "question.jsonl"
+    cats = ("writing", "math", "coding")
+    questions.write_text("".join(json.dumps({"question_id": 100 + i, "category": cats[i % 3],
+                                             "turns": [f"Tell me about {i}.", "More."]}) + "\n" for i in range(7)))
+    records = eval_mod.mtbench_records(questions, limit=6)
+    assert [r["category"] for r in records[:3]] == list(cats) and len(records) == 6
+    engine = TorchEngine(tiny["target"], make_drafter(tiny["target"], num_heads=3), max_seq_len=256)
+    kwargs = dict(max_new_tokens=12, batch_size=2, chunk=2, progress=False)
+    ref = eval_mod.mtbench_eval(engine, tiny["tokenizer"], records, [2, 4], tmp_path / "ref", "h", **kwargs)
+    rows_dir = tmp_path / "cut"
+    calls = []
+    real = eval_mod.decode_rows
+
+    def dying(*args, **kw):
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # a kill after the first chunk was saved
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(eval_mod, "decode_rows", dying)
+    with pytest.raises(KeyboardInterrupt):
+        eval_mod.mtbench_eval(engine, tiny["tokenizer"], records, [2, 4], rows_dir, "h", **kwargs)
+    with open(rows_dir / "h-b2.jsonl", "a") as f:
+        f.write('{"id": 104, "cat')  # a half-written line
+    monkeypatch.setattr(eval_mod, "decode_rows", real)
+    resumed = eval_mod.mtbench_eval(engine, tiny["tokenizer"], records, [2, 4], rows_dir, "h", **kwargs)
+    assert resumed == ref
+    assert len((rows_dir / "h-b2.jsonl").read_text().splitlines()) == 6
+    overall = ref["4"]["overall"]
+    assert overall["sequences"] == 6 and overall["tokens_per_step"] == pytest.approx(1 + overall["accepted"] / overall["steps"])
+    assert len(overall["accept_rate_by_depth"]) <= 3

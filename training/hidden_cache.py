@@ -20,6 +20,12 @@ stored back to back, sorted by length, and ``index.json`` lists each one's
 Resumable: the layout is planned first (``plan.json``); ``progress.json`` counts
 the conversations whose rows are flushed, and a rerun continues from there.
 ``index.json`` is written last and marks a complete cache.
+
+Disk: ``2 x H x 2`` bytes per token in fp16 plus 5 (2,309 bytes for the demo
+target's H = 576: 2.3 GB per million tokens). The build prints it first and
+``index.json`` records it (``disk_bytes``). Where that is not worth it (one
+epoch, or data that changes), ``train.py --cache FILE.jsonl`` computes the same
+arrays on the fly instead (:class:`LiveFeatures`).
 """
 
 from __future__ import annotations
@@ -184,6 +190,11 @@ def plan_layout(records: list[dict], max_len: int) -> list[dict]:
     return items
 
 
+def disk_bytes(num_tokens: int, hidden_size: int, dtype: str = "float16") -> int:
+    """Bytes a cache of ``num_tokens`` takes: two hidden fields, int32 tokens, uint8 mask."""
+    return num_tokens * (len(HIDDEN_FIELDS) * hidden_size * np.dtype(DTYPES[dtype]).itemsize + 4 + 1)
+
+
 def _plan_digest(plan: list[dict], meta: dict) -> str:
     return hashlib.sha256(json.dumps([plan, meta], sort_keys=True).encode()).hexdigest()[:16]
 
@@ -214,6 +225,9 @@ def build_cache(records: list[dict], target, output: str | Path, *, max_len: int
         raise ValueError("no conversation has a response token within --max-len; nothing to cache")
     resume = _claim_plan(output, plan, meta)
     total = plan[-1]["offset"] + plan[-1]["length"]
+    if progress:
+        print(f"hidden cache: {len(plan)} conversations, {total:,} tokens, "
+              f"{disk_bytes(total, cfg.hidden_size, dtype) / 1e9:.2f} GB on disk in {output}", file=sys.stderr)
     arrays = _open_arrays(output, total, cfg.hidden_size, DTYPES[dtype], mode="r+" if resume else "w+")
     done = _conversations_done(output) if resume else 0
     by_id = {r["id"]: r for r in records}
@@ -233,6 +247,7 @@ def build_cache(records: list[dict], target, output: str | Path, *, max_len: int
         index = dict(meta, num_tokens=total, num_conversations=len(plan),
                      num_assistant_tokens=int(sum(it["length"] - it["num_prompt"] for it in plan)),
                      source=source, backend="onnxruntime" if features is not None else "torch",
+                     disk_bytes=disk_bytes(total, cfg.hidden_size, dtype),
                      seconds_last_run=round(time.monotonic() - t0, 1), conversations=plan)
         _write_json_atomic(output / INDEX_FILE, index)
     bar.close()
@@ -318,7 +333,32 @@ def _store_batch(arrays: dict[str, np.ndarray], items: list[dict], ids, last_inp
         array.flush()
 
 
-class HiddenCache:
+class _ConversationSource:
+    """What training reads: ``conversations`` (index entries), ``index`` and ``conversation(i)``'s arrays."""
+
+    conversations: list[dict]
+    index: dict
+    directory: Path
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.index["hidden_size"]
+
+    def check_target(self, target) -> None:
+        """Raise :class:`clover.config.ConfigError` when the cache was made with another target."""
+        from clover.config import ConfigError
+        from clover.target import target_fingerprint
+
+        actual = target_fingerprint(target)
+        if self.index["target_fingerprint"] != actual:
+            raise ConfigError(f"{self.directory} was built with target {self.index['target_fingerprint']}, "
+                              f"not this target ({actual}); rebuild the cache")
+
+
+class HiddenCache(_ConversationSource):
     """Read side of a finished cache: memory-mapped arrays plus the index."""
 
     def __init__(self, directory: str | Path) -> None:
@@ -334,27 +374,75 @@ class HiddenCache:
         self.arrays = {name: np.load(self.directory / f"{name}.npy", mmap_mode="r")
                        for name in (*HIDDEN_FIELDS, "tokens", "assistant_mask")}
 
-    def __len__(self) -> int:
-        return len(self.conversations)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.index["hidden_size"]
-
     def conversation(self, i: int) -> dict[str, np.ndarray]:
         it = self.conversations[i]
         sl = slice(it["offset"], it["offset"] + it["length"])
         return {name: array[sl] for name, array in self.arrays.items()}
 
-    def check_target(self, target) -> None:
-        """Raise :class:`clover.config.ConfigError` when the cache was made with another target."""
-        from clover.config import ConfigError
+
+
+class LiveFeatures(_ConversationSource):
+    """A :class:`HiddenCache` look-alike over a distilled JSONL that runs the torch target per conversation.
+
+    No disk, one target pass per conversation per epoch: worth it when the data
+    is read about once (docs in training/README.md#hidden-state-cache).
+    """
+
+    def __init__(self, records: list[dict], target, max_len: int = 1024, source: str = "") -> None:
         from clover.target import target_fingerprint
 
-        actual = target_fingerprint(target)
-        if self.index["target_fingerprint"] != actual:
-            raise ConfigError(f"{self.directory} was built with target {self.index['target_fingerprint']}, "
-                              f"not this target ({actual}); rebuild the cache")
+        self.target, self.max_len, self.directory = target, max_len, Path(source or "live")
+        self.conversations = plan_layout(records, max_len)
+        self.records = {r["id"]: r for r in records}
+        self.index = {"num_tokens": sum(c["length"] for c in self.conversations), "hidden_size": target.config.hidden_size,
+                      "target_fingerprint": target_fingerprint(target), "source": source, "backend": "live"}
+
+    def conversation(self, i: int) -> dict[str, np.ndarray]:
+        import torch
+
+        ids, num_prompt = conversation_tokens(self.records[self.conversations[i]["id"]], self.max_len)
+        with torch.inference_mode():
+            last_input, last_hidden = target_hidden_states(self.target, torch.tensor([ids]))
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        mask[num_prompt:] = 1
+        return {"last_layer_input": last_input[0].float().numpy(), "last_hidden": last_hidden[0].float().numpy(),
+                "tokens": np.asarray(ids, dtype=np.int32), "assistant_mask": mask}
+
+
+class ConcatCache(_ConversationSource):
+    """Several caches read as one (e.g. ShareGPT plus the 8-category data): conversations back to back."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.directory = Path(",".join(str(p.directory) for p in parts))
+        self.conversations = [c for p in parts for c in p.conversations]
+        self._where = [(k, j) for k, p in enumerate(parts) for j in range(len(p))]
+        self.index = {"num_tokens": sum(p.index["num_tokens"] for p in parts), "hidden_size": parts[0].hidden_size,
+                      "target_fingerprint": parts[0].index["target_fingerprint"],
+                      "source": " + ".join(str(p.index.get("source", "")) for p in parts)}
+
+    def conversation(self, i: int) -> dict[str, np.ndarray]:
+        k, j = self._where[i]
+        return self.parts[k].conversation(j)
+
+    def check_target(self, target) -> None:
+        for part in self.parts:
+            part.check_target(target)
+
+
+def open_training_data(spec: str, target=None, max_len: int = 1024):
+    """``train.py --cache``: comma-separated cache directories and/or distilled ``.jsonl`` files (on the fly)."""
+    from training.distill import read_jsonl
+
+    parts = []
+    for item in (s.strip() for s in str(spec).split(",")):
+        if item.endswith(".jsonl"):
+            parts.append(LiveFeatures(read_jsonl(item), target, max_len=max_len, source=item))
+        elif item:
+            parts.append(HiddenCache(item))
+    if not parts:
+        raise FileNotFoundError(f"no training data in {spec!r}")
+    return parts[0] if len(parts) == 1 else ConcatCache(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--limit", type=int, default=None,
+                        help="only the first N records of --distill (ShareGPT files are in a mixed order)")
     args = parser.parse_args(argv)
 
     import torch
@@ -395,12 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    records = read_jsonl(args.distill)
+    records = read_jsonl(args.distill)[: args.limit]
     out = build_cache(records, target, args.output, max_len=args.max_len, batch_tokens=args.batch_tokens,
                       dtype=args.dtype, device=device, source=str(args.distill), features=features)
     index = json.loads((out / INDEX_FILE).read_text())
     print(f"{out}: {index['num_conversations']} conversations, {index['num_tokens']} tokens "
-          f"({index['num_assistant_tokens']} assistant)")
+          f"({index['num_assistant_tokens']} assistant), {index['disk_bytes'] / 1e9:.2f} GB on disk")
     return 0
 
 

@@ -107,9 +107,16 @@ def read_sharegpt(path: str | Path, stats: ReadStats | None = None, chunk_chars:
 
 
 def conversation_messages(record: dict) -> list[dict]:
-    """The record's turns as chat messages, cut at the first turn that breaks user/assistant alternation."""
+    """The record's turns as chat messages, cut at the first turn that breaks user/assistant alternation.
+
+    Leading assistant turns are dropped: the later parts of a long conversation
+    (``<id>_1``...) start with the answer to a question in the previous part.
+    """
+    turns = list(record.get("conversations", []))
+    while turns and ROLES.get(str(turns[0].get("from", "")).lower()) == "assistant":
+        turns.pop(0)
     messages: list[dict] = []
-    for turn in record.get("conversations", []):
+    for turn in turns:
         role, text = ROLES.get(str(turn.get("from", "")).lower()), str(turn.get("value", "")).strip()
         if role is None or not text:
             break
@@ -187,13 +194,15 @@ def build(path: Path, output: Path, tokenizer, *, eval_fraction: float = 0.02, s
     from tqdm import tqdm
 
     read = ReadStats()
-    counts = {"conversations": 0, "human_turns": 0, "answer_chars": 0, "non_ascii_skipped": 0, "empty": 0}
+    counts = {"conversations": 0, "human_turns": 0, "answer_chars": 0, "used_answer_chars": 0, "non_ascii_skipped": 0, "empty": 0}
     chosen: dict[str, list[tuple[str, dict, str]]] = {"train": [], "eval": []}
     for record in tqdm(read_sharegpt(path, read), unit="conv", disable=not progress, desc="read ShareGPT"):
         messages = conversation_messages(record)
         counts["conversations"] += 1
-        counts["human_turns"] += sum(m["role"] == "user" for m in record_turns(record))
-        counts["answer_chars"] += sum(len(m["content"]) for m in messages if m["role"] == "assistant")
+        roles = record_roles(record)
+        counts["human_turns"] += sum(role == "user" for role, _ in roles)
+        counts["answer_chars"] += sum(chars for role, chars in roles if role == "assistant")
+        counts["used_answer_chars"] += sum(len(m["content"]) for m in messages if m["role"] == "assistant")
         if len(messages) < 2:
             counts["empty"] += 1
             continue
@@ -214,9 +223,10 @@ def build(path: Path, output: Path, tokenizer, *, eval_fraction: float = 0.02, s
     return stats
 
 
-def record_turns(record: dict) -> list[dict]:
-    """Every turn's role (for counting), whether or not it alternates."""
-    return [{"role": ROLES.get(str(t.get("from", "")).lower(), "other")} for t in record.get("conversations", [])]
+def record_roles(record: dict) -> list[tuple[str, int]]:
+    """(role, characters) of every turn, for the counts in ``stats.json``, whether or not it alternates."""
+    return [(ROLES.get(str(t.get("from", "")).lower(), "other"), len(str(t.get("value", ""))))
+            for t in record.get("conversations", [])]
 
 
 def _write_split(output: Path, split: str, items: list[tuple[str, dict, str]], tokenizer, max_prompt_tokens: int,

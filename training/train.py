@@ -15,8 +15,20 @@ conversation in the batch (shapes: B conversations padded to T tokens):
 * Head i (0-based) at root t predicts token t+i+2, teacher-forced: the chain is
   ``drafter.step(h_i, token[t+i+1], i, W_lm)`` with ``h_0 = h0[t]``, exactly the
   call the decode loop's tree builder makes (:func:`head_logits`).
-* Loss = sum over heads of the mean cross-entropy against that token, over the
-  roots whose label is an assistant token inside the conversation.
+* Loss = sum over heads of ``head_decay ** i`` times the mean cross-entropy, over
+  the roots whose label is an assistant token inside the conversation. The label
+  is that token (``--labels hard``) or the target's own distribution for it
+  (``--labels soft``): ``softmax(W_lm norm(last_hidden[t+i+1]))``, recomputed
+  from the cached last hidden state through the frozen final norm and LM head, so
+  no logits are stored. ``--regression-weight w`` adds ``w`` times Clover-2's
+  SmoothL1 regression of the head's feature onto that same ``last_hidden[t+i+1]``
+  (the state from which the target predicts token t+i+2; docs/drafter.md#training).
+
+``--cache`` takes one or more caches separated by commas (ShareGPT plus the
+8-category data), or a distilled JSONL, whose hidden states are then computed on
+the fly (:class:`training.hidden_cache.LiveFeatures`; no disk). ``--eval-cache``
+with ``--eval-every N`` measures teacher-forced top-1 on held-out data every N
+steps into ``eval_log.jsonl``: the learning curve against training tokens.
 
 Batches are buckets of conversations of similar length within ``--batch-tokens``
 padded tokens; the batch plan depends only on the cache, the seed, the epochs
@@ -54,10 +66,12 @@ if __package__ in (None, ""):
 from clover.attention import causal_packed_mask  # noqa: E402
 from clover.config import DRAFTER_METHODS, ConfigError, DrafterConfig  # noqa: E402
 from clover.drafters import Drafter, save_drafter  # noqa: E402
-from training.hidden_cache import HiddenCache  # noqa: E402
+from training.hidden_cache import HiddenCache, open_training_data  # noqa: E402
 
 STATE_FILE, RUN_CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "train_state.pt", "run_config.json", "train_log.jsonl", \
     "training_summary.json"
+EVAL_LOG_FILE = "eval_log.jsonl"
+LABELS = ("hard", "soft")
 STATE_VERSION = 1
 
 
@@ -83,6 +97,8 @@ class TrainConfig:
     row_chunk: int = 1024                 # roots per LM-head chunk (memory bound)
     grad_clip: float = 1.0
     head_decay: float = 1.0               # loss weight of head i: head_decay ** i
+    labels: str = "hard"                  # "soft": the target's distribution (recomputed from last_hidden)
+    regression_weight: float = 0.0        # Clover-2 SmoothL1 feature regression, relative to the CE's weight 1
     autocast: str | None = None           # "bf16": mixed precision (fp32 weights, bf16 matmuls; fast on AMX/GPU)
     seed: int = 0
     save_every: int = 20
@@ -90,9 +106,18 @@ class TrainConfig:
     device: str = "auto"
     threads: int | None = None
     progress: bool = True
+    eval_cache: str | None = None         # held-out cache for the learning curve (eval_log.jsonl)
+    eval_every: int = 0                   # steps between curve points; 0: none
+    eval_conversations: int = 200         # held-out conversations per curve point
 
     # fields that may differ between a run and its resumption
-    RESUME_FREE = ("save_every", "log_every", "device", "threads", "progress", "output", "cache", "target")
+    RESUME_FREE = ("save_every", "log_every", "device", "threads", "progress", "output", "cache", "target",
+                   "eval_cache", "eval_every", "eval_conversations")
+
+    @property
+    def needs_target_hidden(self) -> bool:
+        """Whether the loss reads the target's last hidden state at the label positions."""
+        return self.labels == "soft" or self.regression_weight > 0
 
     def resume_key(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUME_FREE}
@@ -226,14 +251,15 @@ def find_roots(batch: Batch, num_heads: int) -> Roots:
     return Roots(b, t, tokens[b[:, None], in_pos], tokens[b[:, None], lab_pos], valid[b, t])
 
 
-def head_logits(drafter: Drafter, lm_head_weight: torch.Tensor, h_rows: torch.Tensor, tok_in: torch.Tensor,
-                valid: torch.Tensor):
+def head_outputs(drafter: Drafter, lm_head_weight: torch.Tensor, h_rows: torch.Tensor, tok_in: torch.Tensor,
+                 valid: torch.Tensor):
     """Teacher-forced regressive chain, the very ``drafter.step`` calls of inference.
 
     Args:
         h_rows ``[N, H]``: h0 at the roots; tok_in, valid ``[N, K]``.
     Yields:
-        (head i, row indices ``[n_i]`` into N, logits ``[n_i, V]``) for the rows whose head-i label is valid.
+        (head i, row indices ``[n_i]`` into N, feature ``[n_i, H]``, logits ``[n_i, V]``) for the rows whose
+        head-i label is valid (feature: :meth:`clover.drafters.Drafter.step_with_feature`).
     """
     rows = torch.arange(h_rows.shape[0], device=h_rows.device)
     hidden = h_rows
@@ -242,28 +268,115 @@ def head_logits(drafter: Drafter, lm_head_weight: torch.Tensor, h_rows: torch.Te
         rows, hidden = rows[keep], hidden[keep]
         if rows.numel() == 0:
             return
-        hidden, logits = drafter.step(hidden, tok_in[rows, i], i, lm_head_weight)
+        hidden, feature, logits = drafter.step_with_feature(hidden, tok_in[rows, i], i, lm_head_weight)
+        yield i, rows, feature, logits
+
+
+def head_logits(drafter: Drafter, lm_head_weight: torch.Tensor, h_rows: torch.Tensor, tok_in: torch.Tensor,
+                valid: torch.Tensor):
+    """:func:`head_outputs` without the features: (head i, rows, logits)."""
+    for i, rows, _, logits in head_outputs(drafter, lm_head_weight, h_rows, tok_in, valid):
         yield i, rows, logits
+
+
+def label_source_positions(roots: Roots, rows: torch.Tensor, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch row, position) whose target last hidden state predicts head ``head``'s label.
+
+    Head i at root t predicts token t+i+2; the target predicts that token from
+    its state at t+i+1, so the soft label and the regression target both sit there.
+    """
+    return roots.b[rows], roots.t[rows] + head + 1
+
+
+def target_logits(target, lm_head_weight: torch.Tensor, last_hidden: torch.Tensor) -> torch.Tensor:
+    """The target's own logits from its last hidden state: the frozen final norm, then the LM head."""
+    return target.norm(last_hidden.to(target.norm.weight.dtype)).to(lm_head_weight.dtype) @ lm_head_weight.T
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """Summed ``-sum_v p(v) log q(v)`` over rows; equals the hard cross-entropy when ``p`` is one-hot."""
+    return -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum()
+
+
+def regression_target(drafter: Drafter, target, last_hidden: torch.Tensor) -> torch.Tensor:
+    """What a head's feature regresses onto (Clover-2): the target's last hidden state, normed for Medusa,
+    whose feature comes after its (frozen) norm (see :meth:`clover.drafters.Drafter.step_with_feature`)."""
+    if drafter.is_medusa:
+        return target.norm(last_hidden.to(target.norm.weight.dtype))
+    return last_hidden
 
 
 def head_weights(num_heads: int, decay: float) -> list[float]:
     return [decay ** i for i in range(num_heads)]
 
 
+@dataclasses.dataclass
+class LossSpec:
+    """How one head's loss is formed (docs/drafter.md#training): ``weights[i] * (CE_i + regression_weight * reg_i)``,
+    CE against the label token (``hard``) or the target's distribution (``soft``)."""
+
+    weights: list[float]
+    labels: str = "hard"
+    regression_weight: float = 0.0
+
+    @property
+    def needs_target_hidden(self) -> bool:
+        return self.labels == "soft" or self.regression_weight > 0
+
+
+def head_loss(drafter: Drafter, target, lm_head_weight: torch.Tensor, feature: torch.Tensor, logits: torch.Tensor,
+              labels: torch.Tensor, last_hidden: torch.Tensor | None, spec: LossSpec):
+    """(summed loss of one head over its rows, the target's top-1 token or None).
+
+    ``last_hidden`` ``[n, H]``: the target's last hidden state at the label source
+    positions (:func:`label_source_positions`); None when neither the loss nor the
+    caller needs it.
+    """
+    logits = logits.float()
+    if last_hidden is None:
+        return nn.functional.cross_entropy(logits, labels, reduction="sum"), None
+    with torch.no_grad():
+        reference = target_logits(target, lm_head_weight, last_hidden).float()
+    if spec.labels == "soft":
+        loss = soft_cross_entropy(logits, torch.softmax(reference, dim=-1))
+    else:
+        loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
+    if spec.regression_weight:
+        goal = regression_target(drafter, target, last_hidden).float()
+        loss = loss + spec.regression_weight * nn.functional.smooth_l1_loss(
+            feature.float(), goal, reduction="none").mean(-1).sum()
+    return loss, reference.argmax(-1)
+
+
+def _count_hits(stats: dict, head: int, logits: torch.Tensor, labels: torch.Tensor,
+                target_top: torch.Tensor | None) -> None:
+    """Add one head's top-k hits: against the label token, and against the target's top-1 (``agree``) if known."""
+    with torch.no_grad():
+        top = logits.topk(max(stats["hits"]), dim=-1).indices
+        for k in stats["hits"]:
+            stats["hits"][k][head] += int((top[:, :k] == labels[:, None]).any(-1).sum())
+            if target_top is not None:
+                stats["agree"][k][head] += int((top[:, :k] == target_top[:, None]).any(-1).sum())
+
+
 def run_batch(drafter: Drafter, target, lm_head_weight: torch.Tensor, batch: Batch, *, row_chunk: int,
-              weights: list[float], train: bool, topk: tuple[int, ...] = (1,)) -> dict:
+              weights: list[float], train: bool, topk: tuple[int, ...] = (1,), labels: str = "hard",
+              regression_weight: float = 0.0) -> dict:
     """Forward (and backward when ``train``) over one batch, LM head in chunks of roots.
 
-    The loss is ``sum_i w_i * mean CE_i``. Chunks backpropagate into a detached
-    copy of the roots' h0, whose gradient then flows through the Augmenting
-    Block once, so memory is bounded by ``row_chunk x V`` per head.
-    Returns loss, and per head the label count and the top-k hits.
+    The loss is ``sum_i w_i * mean_i(CE + regression_weight * SmoothL1)`` (:func:`head_loss`).
+    Chunks backpropagate into a detached copy of the roots' h0, whose gradient
+    then flows through the Augmenting Block once, so memory is bounded by
+    ``row_chunk x V`` per head. Returns loss, and per head the label count, the
+    top-k hits and, when the target's hidden states are read, its top-1's hits (``agree``).
     """
     num_heads = drafter.config.num_heads
+    spec = LossSpec(weights, labels, regression_weight)
     roots = find_roots(batch, num_heads)
     counts = roots.valid.sum(0)
+    read_target = batch.x_last is not None and (spec.needs_target_hidden or not train)
     stats = {"loss": 0.0, "count": counts.tolist(), "hits": {k: [0] * num_heads for k in topk},
-             "categories": None}
+             "agree": {k: [0] * num_heads for k in topk} if read_target else None, "categories": None}
     if roots.b.numel() == 0:
         return stats
     with torch.set_grad_enabled(train):
@@ -275,14 +388,14 @@ def run_batch(drafter: Drafter, target, lm_head_weight: torch.Tensor, batch: Bat
         sl = slice(start, start + row_chunk)
         with torch.set_grad_enabled(train):
             loss = leaf.new_zeros(())
-            for i, rows, logits in head_logits(drafter, lm_head_weight, leaf[sl], roots.tok_in[sl], roots.valid[sl]):
-                labels = roots.labels[sl][rows, i]
-                logits = logits.float()
-                loss = loss + weights[i] * nn.functional.cross_entropy(logits, labels, reduction="sum") / counts[i]
-                with torch.no_grad():
-                    top = logits.topk(max(topk), dim=-1).indices
-                    for k in topk:
-                        stats["hits"][k][i] += int((top[:, :k] == labels[:, None]).any(-1).sum())
+            chunk_rows = torch.arange(h_rows.shape[0], device=h_rows.device)[sl]
+            for i, rows, feature, logits in head_outputs(drafter, lm_head_weight, leaf[sl], roots.tok_in[sl],
+                                                         roots.valid[sl]):
+                label = roots.labels[sl][rows, i]
+                last_hidden = batch.x_last[label_source_positions(roots, chunk_rows[rows], i)] if read_target else None
+                term, target_top = head_loss(drafter, target, lm_head_weight, feature, logits, label, last_hidden, spec)
+                loss = loss + weights[i] * term / counts[i]
+                _count_hits(stats, i, logits, label, target_top)
             if train and loss.requires_grad:
                 loss.backward()
         total += float(loss.detach())
@@ -364,7 +477,8 @@ class _Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bf16"):
             stats = run_batch(self.drafter, self.target, self.lm_head_weight, batch, row_chunk=self.cfg.row_chunk,
-                              weights=self.weights, train=True)
+                              weights=self.weights, train=True, labels=self.cfg.labels,
+                              regression_weight=self.cfg.regression_weight)
         grad_norm = float("nan")  # not measured without clipping
         if self.cfg.grad_clip:
             grad_norm = float(nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
@@ -395,6 +509,8 @@ def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
         raise ConfigError(f"unknown method {cfg.method!r}; choose one of {', '.join(DRAFTER_METHODS)}")
     if cfg.autocast not in (None, "bf16"):
         raise ConfigError(f"autocast {cfg.autocast!r}: use bf16 or leave it unset")
+    if cfg.labels not in LABELS:
+        raise ConfigError(f"labels {cfg.labels!r}: use one of {', '.join(LABELS)}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output)
@@ -404,7 +520,7 @@ def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
         from clover.target import load_target
 
         target = load_target(resolve_target(cfg.target))
-    cache = HiddenCache(cfg.cache)
+    cache = open_training_data(cfg.cache, target)
     cache.check_target(target)
     device = pick_device(cfg.device)
     finished = _claim_output(cfg, out)
@@ -415,6 +531,7 @@ def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
     trainer = _Trainer(cfg, target, device)
     progress = trainer.load_state(out / STATE_FILE)
     _drop_log_lines_after(out / LOG_FILE, progress.step)
+    _drop_log_lines_after(out / EVAL_LOG_FILE, progress.step)
     _run_steps(trainer, cache, plan, progress, out, on_step)
     save_drafter(trainer.drafter.cpu().eval(), out, dtype=torch.float16)
     summary = _summary(cfg, cache, plan, progress, device, out / LOG_FILE)
@@ -459,13 +576,15 @@ def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], pro
     cfg, total_steps = trainer.cfg, len(plan)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(100, round(0.03 * total_steps)))
     need_input = trainer.drafter.augment is not None  # the Augmenting Block runs on the last layer's input
+    need_last = not need_input or cfg.needs_target_hidden
+    curve = _LearningCurve(cfg, trainer, out)
     window: list[dict] = []  # the last 20 steps, for the progress bar
     bar = tqdm(total=total_steps, initial=progress.step, unit="step", disable=not cfg.progress, dynamic_ncols=True,
                desc=cfg.method)
     t0 = time.monotonic()
     with open(out / LOG_FILE, "a") as log:
         while progress.step < total_steps:
-            batch = collate(cache, plan[progress.step], need_input, not need_input, trainer.device)
+            batch = collate(cache, plan[progress.step], need_input, need_last, trainer.device)
             lr = lr_at(progress.step, total_steps, cfg.lr, warmup, cfg.min_lr_ratio)
             stats, grad_norm = trainer.step(batch, lr)
             progress.step += 1
@@ -480,10 +599,37 @@ def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], pro
                 log.flush()
             if step % cfg.save_every == 0 or step == total_steps:
                 trainer.save_state(out / STATE_FILE, progress, progress.elapsed + (time.monotonic() - t0))
+            curve.maybe_measure(step, total_steps, progress.tokens_seen)
             if on_step is not None:
                 on_step(step)
     bar.close()
     progress.elapsed += time.monotonic() - t0
+
+
+class _LearningCurve:
+    """Teacher-forced accuracy on held-out data every ``eval_every`` steps, into ``eval_log.jsonl``.
+
+    The proxy for tokens per step against training tokens (training/README.md#learning-curve).
+    It reads the weights and changes nothing, so a resumed run still ends bit for bit the same.
+    """
+
+    def __init__(self, cfg: TrainConfig, trainer: "_Trainer", out: Path) -> None:
+        self.cfg, self.trainer, self.path = cfg, trainer, out / EVAL_LOG_FILE
+        self.cache = HiddenCache(cfg.eval_cache) if cfg.eval_cache and cfg.eval_every > 0 else None
+
+    def maybe_measure(self, step: int, total_steps: int, tokens: int) -> None:
+        if self.cache is None or not (step % self.cfg.eval_every == 0 or step == total_steps):
+            return
+        from training.evaluate import teacher_forced
+
+        drafter = self.trainer.drafter
+        result = teacher_forced(drafter, self.trainer.target, self.cache, device=self.trainer.device,
+                                max_conversations=self.cfg.eval_conversations, row_chunk=self.cfg.row_chunk)
+        drafter.train()
+        line = {"step": step, "tokens": tokens, **{k: result["overall"][k] for k in ("top1", "top5", "agree1")
+                                                   if k in result["overall"]}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 def _show_progress(bar, window: list[dict], num_heads: int, tokens_seen: int) -> None:
@@ -538,15 +684,24 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     known, _ = pre.parse_known_args(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[pre])
     parser.add_argument("--method", choices=DRAFTER_METHODS, required=True)
-    parser.add_argument("--cache", required=True, help="hidden-state cache directory (train split)")
+    parser.add_argument("--cache", required=True,
+                        help="hidden-state cache directory (train split); several separated by commas; a distilled "
+                             ".jsonl computes the hidden states on the fly instead (no disk)")
     parser.add_argument("--output", required=True, help="run directory: checkpoints, then the final heads")
     parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo' (only its LM head and shape are used)")
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     for name in ("num_heads", "decoder_heads", "save_every", "log_every", "epochs", "max_tokens", "batch_tokens",
                  "bucket_size", "row_chunk", "seed", "warmup_steps", "threads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=fields[name].default)
-    for name in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip", "head_decay", "init_noise_std"):
+    for name in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip", "head_decay", "init_noise_std",
+                 "regression_weight"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=fields[name].default)
+    parser.add_argument("--eval-every", type=int, default=0, help="steps between learning-curve points (eval_log.jsonl)")
+    parser.add_argument("--eval-conversations", type=int, default=200, help="held-out conversations per curve point")
+    parser.add_argument("--eval-cache", default=None, help="held-out hidden-state cache for the learning curve")
+    parser.add_argument("--labels", choices=LABELS, default="hard",
+                        help="hard: the text's next token; soft: the target's distribution (from the cached last "
+                             "hidden state through the frozen norm and LM head)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (GPU when present)")
     parser.add_argument("--autocast", choices=("bf16",), default=None,
                         help="bf16 mixed precision (fp32 weights and loss, bf16 matmuls): several times faster "

@@ -10,6 +10,12 @@ held back until it is settled).
 
 The :class:`~clover.decode.SpeculativeDecoder` is only ever touched by the
 decode thread.
+
+Shutdown is a drain (docs/serving.md#shutdown-faults-and-security):
+:meth:`InflightBatcher.begin_drain` refuses new requests at once, lets those in
+flight run until its deadline, then cancels them (each gets its final update,
+finish reason ``cancelled``), so the server can exit inside Triton's exit
+timeout.
 """
 
 from __future__ import annotations
@@ -22,11 +28,16 @@ import time
 from typing import Callable
 
 from clover.stats import tokens_per_step
-from clover.decode import GenerationRequest, SpeculativeDecoder, StepEvent, cut_at_stop
+from clover.decode import GenerationRequest, SpeculativeDecoder, StepEvent, cut_at_stop, stop_search_start
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = "the server is shutting down; the request was cancelled"
+REFUSED_MESSAGE = "the server is shutting down; it takes no new requests"
+
+
+class ShuttingDown(RuntimeError):
+    """A request submitted while the batcher drains or after it stopped (a server state, not a bad request)."""
 
 
 @dataclasses.dataclass
@@ -71,6 +82,8 @@ class TextStream:
     the first stop string; until the answer is finished, a trailing partial
     character (U+FFFD) and a tail that could be the start of a stop string are
     held back. The concatenated deltas equal :attr:`clover.decode.SequenceResult.text`.
+    Stop strings are searched in the new text's window only, so a step's
+    matching cost is bounded by the stop strings, not the answer's length.
     """
 
     def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()) -> None:
@@ -78,26 +91,38 @@ class TextStream:
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.token_ids: list[int] = []
         self.sent = ""
+        self._searched = 0  # characters of the decoded answer already searched for stop strings
 
     def push(self, token_ids: list[int], finished: bool) -> str:
         self.token_ids.extend(token_ids)
         if self.tokenizer is None:
             return ""
-        text = cut_at_stop(self.tokenizer.decode(self.token_ids, skip_special_tokens=True), self.stop_strings)
+        whole = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = cut_at_stop(whole, self.stop_strings, stop_search_start(self._searched, self.stop_strings))
+        self._searched = len(whole)
         if not finished:
-            hold = 0
-            for stop in self.stop_strings:
-                for k in range(min(len(stop) - 1, len(text)), hold, -1):
-                    if text.endswith(stop[:k]):
-                        hold = k
-                        break
-            text = text[: len(text) - hold]
+            text = text[: len(text) - stop_prefix_held(text, self.stop_strings)]
             while text.endswith("\ufffd"):
                 text = text[:-1]
         if not text.startswith(self.sent):
             return ""  # the tokenizer revised earlier text; what was sent stays
         delta, self.sent = text[len(self.sent):], text
         return delta
+
+
+def stop_prefix_held(text: str, stop_strings: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that is a proper start of a stop string (text that may yet
+    become one); only candidate positions where a stop string's first character occurs are compared."""
+    hold = 0
+    for stop in stop_strings:
+        tail = text[len(text) - min(len(stop) - 1, len(text)):]
+        at = tail.find(stop[0])
+        while 0 <= at and len(tail) - at > hold:
+            if stop.startswith(tail[at:]):
+                hold = len(tail) - at
+                break
+            at = tail.find(stop[0], at + 1)
+    return hold
 
 
 @dataclasses.dataclass
@@ -191,6 +216,7 @@ class InflightBatcher:
         self._cancels: list[_Entry] = []
         self._live: dict[int, _Entry] = {}  # by decoder seq_id
         self._stopping = False
+        self._drain_deadline: float | None = None  # time.monotonic() when the drain cancels what still runs
         self._metrics = BatcherMetrics()
         self._metrics_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -205,13 +231,14 @@ class InflightBatcher:
         ``on_update`` runs on the decode thread after each step that produced something for
         this request, and once with ``finished=True``. If it raises, the request is cancelled.
         ``is_cancelled`` (polled by the decode thread) lets the caller's transport cancel it.
-        Raises ConfigError (a ValueError) for a request the decoder would refuse, RuntimeError after shutdown.
+        Raises ConfigError (a ValueError) for a request the decoder would refuse, :class:`ShuttingDown`
+        while draining or after shutdown.
         """
         request.validate(self.max_seq_len, self.tokenizer is not None)  # the decoder's check, before queueing
         entry = _Entry(next(self._ids), request, on_update, is_cancelled, self.tokenizer)
         with self._cond:
-            if self._stopping or not self._thread.is_alive():
-                raise RuntimeError("the batcher is shut down")
+            if self._stopping or self._drain_deadline is not None or not self._thread.is_alive():
+                raise ShuttingDown(REFUSED_MESSAGE)
             self._inbox.append(entry)
             self._cond.notify()
         with self._metrics_lock:
@@ -226,8 +253,21 @@ class InflightBatcher:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop the decode thread; requests still running get a final error update."""
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def begin_drain(self, seconds: float) -> None:
+        """Refuse new requests from now on; cancel those still running ``seconds`` from now (their final
+        update has finish reason ``cancelled``). A second call keeps the first deadline."""
+        with self._cond:
+            if self._drain_deadline is None:
+                self._drain_deadline = time.monotonic() + max(0.0, seconds)
+                self._cond.notify()
+
+    def shutdown(self, timeout: float | None = 5.0) -> None:
+        """Stop the decode thread; requests still running get a final error update. Short by default: it runs
+        inside Triton's exit timeout, after the drain has ended the requests."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -259,6 +299,9 @@ class InflightBatcher:
                     cancels, self._cancels = self._cancels, []
                 for entry in cancels:
                     entry.cancel_requested = True
+                if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                    for entry in [*inbox, *self._live.values()]:
+                        entry.cancel_requested = True  # the drain is over: end them now, each with its final update
                 for entry in inbox:
                     self._admit(entry)
                 self._poll_cancellations()

@@ -3,7 +3,10 @@
 :func:`serve` writes a temporary copy of ``triton_repo/`` whose model points
 at the engine (the committed repository is left as it is), starts
 tritonserver, waits for readiness with a deadline, prints the endpoints and
-runs until Ctrl-C, which it forwards for a clean shutdown.
+runs until Ctrl-C (or SIGTERM), which drains the model and stops tritonserver
+(docs/serving.md#shutdown-faults-and-security). It exits non-zero when
+tritonserver did not exit cleanly or a Python backend stub died, so that a
+supervisor restarts it.
 
 :func:`run_demo` is the whole path on one machine: build the demo engine if it
 is missing, start the server, stream answers to a few prompts through
@@ -24,7 +27,10 @@ from typing import TextIO
 from clover.config import ConfigError
 from clover.serving.served_engine import default_engine_dir
 from clover.serving.repository import MODEL_NAME, write_repository
-from clover.serving.server import ServerError, TritonServer, checkout_root, free_port
+from clover.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, ServerError, TritonServer, checkout_root, free_port
+
+# how often clover serve checks that tritonserver and its stubs live; a dead stub is noticed within this
+HEALTH_POLL_S = 0.5
 
 DEMO_PROMPTS = (
     "Explain speculative decoding in two sentences.",
@@ -64,12 +70,14 @@ class _SigtermAsInterrupt:
 
 
 def serve(engine: str | Path | None = None, *, backend: str = "auto", method: str = "auto", max_batch: int = 0,
-          tree_budget: int | None = None, adaptive: bool | None = None, threads: int = 0, host: str = "0.0.0.0", http_port: int = 8000,
-          grpc_port: int = 8001, metrics_port: int = 8002, model_repository: str | Path | None = None,
-          startup_timeout_s: float = 600.0, log_file: str | Path | None = None, out: TextIO = sys.stdout,
-          openai_port: int | None = None) -> int:
-    """Serve until Ctrl-C (or SIGTERM); returns the exit code. ``openai_port``: also run the
-    OpenAI-compatible frontend (its own process) there."""
+          tree_budget: int | None = None, adaptive: bool | None = None, threads: int = 0, host: str = "127.0.0.1",
+          http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+          model_repository: str | Path | None = None, startup_timeout_s: float = 600.0,
+          log_file: str | Path | None = None, out: TextIO = sys.stdout, openai_port: int | None = None,
+          drain_s: float = 10.0) -> int:
+    """Serve until Ctrl-C (or SIGTERM); returns the exit code: 0 after a clean shutdown, else 1.
+    ``openai_port``: also run the OpenAI-compatible frontend (its own process) there. ``drain_s``: at
+    shutdown, seconds in-flight requests may still run before they are cancelled."""
     workdir = Path(tempfile.mkdtemp(prefix="clover-serve-"))
     server = frontend = None
     try:
@@ -90,19 +98,13 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
             what = f"engine {engine_dir}"
         with _SigtermAsInterrupt():
             try:
-                server = TritonServer(repo, http_port, grpc_port, metrics_port, host=host, log_file=log_file)
+                server = TritonServer(repo, http_port, grpc_port, metrics_port, host=host, log_file=log_file,
+                                      drain_s=drain_s)
                 print(f"[clover] starting tritonserver ({server.install.source}: {server.install.binary}) on {what}",
                       file=out, flush=True)
                 server.start()
                 server.wait_ready(startup_timeout_s)
-                shown = "localhost" if host in ("0.0.0.0", "::") else host
-                print(f"[clover] ready (pid {server.pid}).\n"
-                      f"  HTTP    http://{shown}:{server.http_port}  (POST /v2/models/{MODEL_NAME}/generate, "
-                      f"/v2/models/{MODEL_NAME}/generate_stream)\n"
-                      f"  gRPC    {shown}:{server.grpc_port}\n"
-                      f"  metrics http://{shown}:{server.metrics_port}/metrics\n"
-                      f"  try: clover client --url {shown}:{server.grpc_port} --prompt \"Hello!\"\n"
-                      "Ctrl-C stops the server.", file=out, flush=True)
+                _print_endpoints(server, out)
                 if openai_engine is not None:
                     frontend = _openai_frontend(openai_engine, server, openai_port)
                     _start_openai(frontend, startup_timeout_s, out)
@@ -114,7 +116,10 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                     print(f"[clover] stopped the OpenAI frontend (exit code {frontend.stop()})", file=out, flush=True)
                 code = server.stop() if server is not None else None
                 print(f"[clover] stopped (exit code {code})", file=out, flush=True)
-                return 0
+                if code:
+                    print(f"clover: error: tritonserver did not exit cleanly (exit code {code}); see its log",
+                          file=sys.stderr, flush=True)
+                return 1 if code else 0
     except ServerError as exc:
         print(f"clover: error: {exc}", file=sys.stderr)
         return 1
@@ -124,6 +129,20 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _print_endpoints(server: TritonServer, out: TextIO) -> None:
+    """The banner: the addresses really bound (0.0.0.0 is every interface, not only this machine)."""
+    bound = server.host if server.host not in ("0.0.0.0", "::") else f"{server.host} (every interface)"
+    url = server.client_host
+    print(f"[clover] ready (pid {server.pid}), bound to {bound}.\n"
+          f"  HTTP    http://{url}:{server.http_port}  (POST /v2/models/{MODEL_NAME}/generate, "
+          f"/v2/models/{MODEL_NAME}/generate_stream)\n"
+          f"  gRPC    {url}:{server.grpc_port}\n"
+          f"  metrics http://{url}:{server.metrics_port}/metrics\n"
+          f"  admin APIs need the header {ADMIN_HEADER} (${ADMIN_KEY_ENV}; unset: closed)\n"
+          f"  try: clover client --url {url}:{server.grpc_port} --prompt \"Hello!\"\n"
+          "Ctrl-C stops the server.", file=out, flush=True)
 
 
 def _openai_engine(engine, backend: str, model_repository) -> Path:
@@ -149,12 +168,20 @@ def _start_openai(frontend, timeout_s: float, out: TextIO) -> None:
 
 
 def _wait_for_exit(server: TritonServer, frontend, out: TextIO) -> int:
-    """Block until tritonserver exits, or the OpenAI frontend does (a crash: reported, exit code 1)."""
+    """Block until tritonserver exits, a Python backend stub dies (tritonserver is then killed: its readiness
+    would stay true while requests hang), or the OpenAI frontend exits; the last two are failures (exit code 1,
+    for a supervisor to restart clover serve: docs/serving.md#worker-health)."""
     while True:
-        code = server.wait(0.5 if frontend is not None else None)
+        code = server.wait(HEALTH_POLL_S)
         if code is not None:
             print(f"[clover] tritonserver exited with code {code}", file=out, flush=True)
             return 1 if code else 0
+        dead = server.dead_stubs()
+        if dead:
+            print(f"clover: error: the Python backend stub (pid {', '.join(map(str, dead))}) died; stopping "
+                  "tritonserver (in-flight requests fail)", file=sys.stderr, flush=True)
+            server.kill()  # nothing answers the requests in flight: a drain would only make them wait
+            return 1
         if frontend is not None and frontend.poll() is not None:
             print(f"clover: error: the OpenAI frontend (pid {frontend.process.pid}) exited with code "
                   f"{frontend.poll()}; stopping tritonserver", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ requests in the unit tests and in the server.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Callable, Mapping
 
@@ -19,6 +20,11 @@ import numpy as np
 
 from clover.config import ConfigError, SamplingConfig
 from clover.decode import GenerationRequest, refuse_empty_prompt
+
+
+# Set by clover.serving.server.TritonServer in tritonserver's environment (the stubs inherit it): the file it
+# writes at shutdown with the drain time in seconds (docs/serving.md#shutdown-faults-and-security)
+DRAIN_FILE_ENV = "CLOVER_DRAIN_FILE"
 
 
 class RequestError(ValueError):
@@ -77,6 +83,9 @@ PARAMETERS = {
                          "does not pay (refused at load without one); false: the fixed tree_budget every step"),
     "threads": ("0", "CPU threads of the engine (0: the backend's default)"),
     "apply_chat_template": ("true", "default of the apply_chat_template input"),
+    # stop strings are matched on the shared decode thread: these bound one request's share of it
+    "max_stop_words": ("64", "stop_words strings one request may send at most"),
+    "max_stop_chars": ("4096", "total characters of one request's stop_words at most"),
 }
 
 _INT = "integer"
@@ -146,6 +155,8 @@ class RequestLimits:
     max_seq_len: int
     vocab_size: int
     apply_chat_template: bool = True
+    max_stop_words: int = int(PARAMETERS["max_stop_words"][0])
+    max_stop_chars: int = int(PARAMETERS["max_stop_chars"][0])
 
 
 def parse_request(get: Callable[[str], "np.ndarray | None"], tokenizer, limits: RequestLimits,
@@ -197,19 +208,7 @@ def parse_request(get: Callable[[str], "np.ndarray | None"], tokenizer, limits: 
             raise RequestError(f"end_id {end_id} is outside the vocabulary [0, {limits.vocab_size})")
         stop_ids = (int(end_id),)
 
-    stop_words: list[str] = []
-    words = get("stop_words")
-    if words is not None:
-        for word in np.asarray(words, dtype=object).reshape(-1):
-            if isinstance(word, (bytes, np.bytes_)):
-                try:
-                    word = bytes(word).decode("utf-8")
-                except UnicodeDecodeError:
-                    raise RequestError("stop_words holds a string that is not valid UTF-8") from None
-            if not isinstance(word, str):
-                raise RequestError("stop_words must be BYTES (strings)")
-            if word:
-                stop_words.append(word)
+    stop_words = _stop_words(get, limits)
 
     seed = _number(get, "random_seed", _INT, 0)
     chat = _flag(get, "apply_chat_template", limits.apply_chat_template)
@@ -222,6 +221,49 @@ def parse_request(get: Callable[[str], "np.ndarray | None"], tokenizer, limits: 
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
     return ParsedRequest(generation, _flag(get, "stream", False), _flag(get, "return_perf_metrics", False))
+
+
+def refuse_unknown_parameters(parameters: str | Mapping | None) -> None:
+    """RequestError for request parameters: the model takes none. Triton 2.51's HTTP generate endpoint turns
+    JSON keys that are not inputs into parameters where gRPC refuses an unknown input, so checking here makes
+    both protocols refuse a misspelt input (docs/serving.md#input-types-what-triton-251-decides-before-the-model).
+    ``triton_``-prefixed keys are Triton's own and pass."""
+    if isinstance(parameters, (str, bytes)):
+        try:
+            parameters = json.loads(parameters or "{}")
+        except ValueError:
+            return
+    unknown = sorted(key for key in (parameters or {}) if not str(key).startswith("triton_"))
+    if unknown:
+        raise RequestError(f"unknown input{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                           f"the inputs are: {', '.join(spec.name for spec in INPUTS)}")
+
+
+def _stop_words(get, limits: RequestLimits) -> list[str]:
+    """The non-empty stop strings, refused beyond the limits before any of them is decoded."""
+    words = get("stop_words")
+    if words is None:
+        return []
+    words = np.asarray(words, dtype=object).reshape(-1)
+    if len(words) > limits.max_stop_words:
+        raise RequestError(f"stop_words has {len(words)} strings; this server takes at most "
+                           f"{limits.max_stop_words} (model parameter max_stop_words)")
+    out: list[str] = []
+    for word in words:
+        if isinstance(word, (bytes, np.bytes_)):
+            try:
+                word = bytes(word).decode("utf-8")
+            except UnicodeDecodeError:
+                raise RequestError("stop_words holds a string that is not valid UTF-8") from None
+        if not isinstance(word, str):
+            raise RequestError("stop_words must be BYTES (strings)")
+        if word:
+            out.append(word)
+    total = sum(len(word) for word in out)
+    if total > limits.max_stop_chars:
+        raise RequestError(f"stop_words total {total} characters; this server takes at most "
+                           f"{limits.max_stop_chars} (model parameter max_stop_chars)")
+    return out
 
 
 def _one(get, name: str):

@@ -12,13 +12,24 @@ directory, puts the wheel's bundled libraries (and this Python's shared
 (a stub that cannot start makes the load hang forever). :meth:`TritonServer.stop`
 sends SIGINT for Triton's clean shutdown, and kills by PID what is still
 running after the timeout, then removes its stubs' shared-memory regions.
+
+Fault handling (docs/serving.md#shutdown-faults-and-security): before the SIGINT,
+:meth:`TritonServer.stop` writes the drain file the model watches
+(``CLOVER_DRAIN_FILE``), so in-flight requests end within ``drain_s``, inside
+Triton's ``--exit-timeout-secs``; after tritonserver exits, whatever happened,
+stubs still alive are killed and their ``/dev/shm`` regions removed.
+:meth:`TritonServer.dead_stubs` tells a supervisor that a stub died. Triton's
+admin APIs (shared memory, model repository, config, statistics, trace,
+logging) are restricted to clients that send the ``clover-admin-key`` header.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -32,8 +43,17 @@ import urllib.request
 from pathlib import Path
 
 from clover.demo import checkout_root
+from clover.serving.protocol import DRAIN_FILE_ENV
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
+# Triton's restricted-API groups that only clients with the admin header may use; health, metadata and
+# inference stay open (CVE-2025-23319/23320/23334 class: shared-memory register, repository control)
+ADMIN_APIS = ("shared-memory", "model-config", "model-repository", "statistics", "trace", "logging")
+ADMIN_HEADER = "clover-admin-key"
+ADMIN_KEY_ENV = "CLOVER_ADMIN_KEY"
+# seconds between the model's drain deadline and Triton's exit timeout: cancelled requests send their final
+# responses and the model unloads in that time, so Triton never hits "Exit timeout expired"
+DRAIN_MARGIN_S = 5.0
 
 
 class ServerError(RuntimeError):
@@ -93,15 +113,18 @@ class TritonServer:
     Args:
         model_repository: the repository directory.
         http_port, grpc_port, metrics_port: 0 picks a free port.
-        host: address the three endpoints bind to.
+        host: address the three endpoints bind to (loopback by default: closed unless asked).
         log_file: where the server's stdout/stderr go (None: inherited).
         extra_args: more tritonserver options.
-        exit_timeout_s: Triton's ``--exit-timeout-secs`` (wait for in-flight requests at shutdown).
+        drain_s: at :meth:`stop`, seconds in-flight requests may still run before the model cancels them;
+            Triton's ``--exit-timeout-secs`` is this plus :data:`DRAIN_MARGIN_S`.
+        admin_key: value of the ``clover-admin-key`` header that unlocks Triton's admin APIs; None:
+            ``$CLOVER_ADMIN_KEY``, else a random key nobody is told (admin APIs closed). "" leaves them open.
     """
 
     def __init__(self, model_repository: str | Path, http_port: int = 8000, grpc_port: int = 8001,
-                 metrics_port: int = 8002, host: str = "0.0.0.0", log_file: str | Path | None = None,
-                 extra_args: tuple[str, ...] = (), exit_timeout_s: int = 15,
+                 metrics_port: int = 8002, host: str = "127.0.0.1", log_file: str | Path | None = None,
+                 extra_args: tuple[str, ...] = (), drain_s: float = 10.0, admin_key: str | None = None,
                  install: TritonInstall | None = None) -> None:
         self.install = install or find_tritonserver()
         self.model_repository = Path(model_repository).resolve()
@@ -112,11 +135,16 @@ class TritonServer:
         self.metrics_port = metrics_port or free_port()
         self.log_file = Path(log_file) if log_file is not None else None
         self.extra_args = tuple(extra_args)
-        self.exit_timeout_s = exit_timeout_s
+        if drain_s < 0:
+            raise ServerError(f"the drain time must be >= 0 seconds, got {drain_s}")
+        self.drain_s = float(drain_s)
+        self.exit_timeout_s = int(math.ceil(self.drain_s + DRAIN_MARGIN_S))
+        self.admin_key = (os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)) if admin_key is None else admin_key
         self.process: subprocess.Popen | None = None
         self._workdir: Path | None = None
         self._log_handle = None
         self._stub_regions: set[str] = set()
+        self._stubs: dict[int, str] = {}  # pid -> its /proc start time, to tell a reused pid apart
 
     # -- endpoints --------------------------------------------------------
 
@@ -148,9 +176,29 @@ class TritonServer:
                f"--http-address={self.host}", f"--grpc-address={self.host}", f"--metrics-address={self.host}",
                "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
                f"--exit-timeout-secs={self.exit_timeout_s}"]
+        if self.admin_key:
+            # Triton's syntax is <apis>:<header>=<value> (its --help shows a comma)
+            apis = ",".join(ADMIN_APIS)
+            cmd += [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
+                    f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
         if backend_directory is not None:
             cmd.append(f"--backend-directory={backend_directory}")
         return cmd + list(self.extra_args)
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """HTTP headers that unlock the admin APIs."""
+        return {ADMIN_HEADER: self.admin_key} if self.admin_key else {}
+
+    @property
+    def grpc_admin_headers(self) -> dict[str, str]:
+        """gRPC metadata that unlocks the admin APIs (tritonclient.grpc's ``headers=``): Triton 2.51 expects
+        the header name with a ``triton-grpc-protocol-`` prefix."""
+        return {f"triton-grpc-protocol-{ADMIN_HEADER}": self.admin_key} if self.admin_key else {}
+
+    @property
+    def drain_file(self) -> Path | None:
+        return self._workdir / "drain" if self._workdir is not None else None
 
     def environment(self) -> dict[str, str]:
         env = os.environ.copy()
@@ -166,12 +214,14 @@ class TritonServer:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
         root = str(checkout_root())
         env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else root
+        if self.drain_file is not None:
+            env[DRAIN_FILE_ENV] = str(self.drain_file)  # the stubs inherit it (clover.serving.triton_model)
         return env
 
     def _backend_directory(self) -> Path | None:
+        self._workdir = Path(tempfile.mkdtemp(prefix="clover-triton-"))
         if self.install.stub is None:
             return None
-        self._workdir = Path(tempfile.mkdtemp(prefix="clover-triton-"))
         python = self._workdir / "backends" / "python"
         python.mkdir(parents=True)
         for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
@@ -244,16 +294,26 @@ class TritonServer:
         return pids
 
     def _note_stubs(self) -> None:
-        """Remember the shared-memory regions this server's stubs use (named on their command lines)."""
+        """Remember this server's stubs (pid and start time) and the shared-memory regions they use (named on
+        their command lines): after tritonserver is gone they are no longer its children."""
         for pid in self._stub_pids():
+            started = _start_time(pid)
             try:
                 args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
+            if started is not None:
+                self._stubs.setdefault(pid, started)
             for arg in args:
                 name = arg.decode(errors="replace").lstrip("/")
                 if name.startswith(SHM_PREFIX):
                     self._stub_regions.add(name)
+
+    def dead_stubs(self) -> list[int]:
+        """PIDs of stubs seen running that are gone now (killed, crashed): the model no longer answers, so a
+        supervisor should stop the server (docs/serving.md#worker-health)."""
+        self._note_stubs()
+        return [pid for pid, started in self._stubs.items() if _start_time(pid) != started]
 
     def wait(self, timeout: float | None = None) -> int | None:
         try:
@@ -261,44 +321,71 @@ class TritonServer:
         except subprocess.TimeoutExpired:
             return None
 
+    def request_drain(self) -> None:
+        """Tell the models to stop admitting requests and to end those in flight within ``drain_s``."""
+        if self.drain_file is not None and not self.drain_file.exists():
+            tmp = self.drain_file.with_suffix(".tmp")
+            tmp.write_text(f"{self.drain_s}\n")
+            tmp.replace(self.drain_file)  # atomic: the model never reads a half-written file
+
     def stop(self, timeout_s: float | None = None) -> int | None:
-        """SIGINT (clean shutdown), then SIGKILL by PID after ``timeout_s``; returns the exit code."""
+        """Drain, SIGINT (clean shutdown), then SIGKILL by PID after ``timeout_s``; returns the exit code
+        (negative when killed). Stubs left behind and their shared memory are removed whatever happened."""
         if self.process is None:
             return None
-        timeout_s = self.exit_timeout_s + 15 if timeout_s is None else timeout_s
+        timeout_s = self.exit_timeout_s + 10 if timeout_s is None else timeout_s
         try:
             if self.process.poll() is None:
                 self._note_stubs()
-                stubs = self._stub_pids()
+                self.request_drain()
                 self.process.send_signal(signal.SIGINT)
                 try:
                     self.process.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    self.kill(stubs)
+                except (subprocess.TimeoutExpired, KeyboardInterrupt):  # a second Ctrl-C: stop now
+                    self.kill()
             return self.process.returncode
         finally:
+            self._reap_stubs()
             self._cleanup()
 
-    def kill(self, stubs: list[int] | None = None) -> None:
+    def kill(self) -> None:
         """SIGKILL the server and its stubs by PID, and remove the stubs' shared memory."""
         if self.process is None:
             return
-        stubs = self._stub_pids() if stubs is None else stubs
-        for pid in [self.process.pid, *stubs]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._note_stubs()
+        try:
+            os.kill(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         try:
             self.process.wait(10)
         except subprocess.TimeoutExpired:
             pass
+        self._reap_stubs(grace_s=0.0)
+        self._cleanup()
+
+    def _reap_stubs(self, grace_s: float = 3.0) -> list[int]:
+        """After tritonserver exited: SIGKILL stubs still alive after ``grace_s`` (orphans), unlink their
+        ``/dev/shm`` regions; returns the PIDs killed."""
+        deadline = time.monotonic() + grace_s
+        alive = self._live_stubs()
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = self._live_stubs()
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for region in self._stub_regions:
             try:
                 os.unlink(f"/dev/shm/{region}")
             except FileNotFoundError:
                 pass
-        self._cleanup()
+        return alive
+
+    def _live_stubs(self) -> list[int]:
+        return [pid for pid, started in self._stubs.items() if _start_time(pid) == started]
 
     def _cleanup(self) -> None:
         if self._log_handle is not None:
@@ -313,3 +400,13 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time from /proc (None when it is gone or a zombie): with the pid, an identity
+    that survives pid reuse."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]

@@ -7,20 +7,32 @@ the unit tests drive it with a stand-in.
 Decoupled mode: :meth:`CloverTritonModel.execute` validates each request,
 hands it to the :class:`~clover.serving.batcher.InflightBatcher` and returns at
 once; the decode thread sends the responses. A bad request gets an error
-response of its own; the other requests and the server carry on.
+response of its own; the other requests and the server carry on. Errors carry
+Triton codes: a bad request INVALID_ARG (HTTP 400), a server that is shutting
+down UNAVAILABLE (503), anything else INTERNAL (500).
+
+Shutdown: when ``clover.serving.server.TritonServer`` writes the drain file
+(``$CLOVER_DRAIN_FILE``), :class:`_DrainWatch` starts the batcher's drain
+(docs/serving.md#shutdown-faults-and-security).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import threading
 import time
 from pathlib import Path
 
 from clover.config import ConfigError
 from clover.decode import SpeculativeDecoder
-from clover.serving.batcher import BatcherMetrics, InflightBatcher, Update
+from clover.serving.batcher import BatcherMetrics, InflightBatcher, ShuttingDown, Update
 from clover.serving.served_engine import load_serving_engine, resolve_engine_dir
-from clover.serving.protocol import RequestLimits, model_parameters, parse_request, response_tensors
+from clover.serving.protocol import (DRAIN_FILE_ENV, RequestLimits, model_parameters, parse_request,
+                                     refuse_unknown_parameters, response_tensors)
+
+log = logging.getLogger(__name__)
 
 
 def _int_param(params: dict, name: str, default: int | None) -> int | None:
@@ -71,7 +83,9 @@ class CloverTritonModel:
                               f"{exc}") from None
         self.loaded = loaded
         self.limits = RequestLimits(loaded.engine.spec.max_seq_len, loaded.engine.spec.vocab_size,
-                                    _bool_param(params, "apply_chat_template"))
+                                    _bool_param(params, "apply_chat_template"),
+                                    _int_param(params, "max_stop_words", RequestLimits.max_stop_words),
+                                    _int_param(params, "max_stop_chars", RequestLimits.max_stop_chars))
         labels = {"model": self.name, "version": str(args.get("model_version", "1"))}
         self.prometheus = _PrometheusMetrics(pb_utils, labels) if hasattr(pb_utils, "MetricFamily") else None
 
@@ -81,6 +95,7 @@ class CloverTritonModel:
 
         on_step = self.prometheus.update if self.prometheus is not None else None
         self.batcher = InflightBatcher(make_decoder, on_step=on_step)
+        self.drain_watch = _DrainWatch(os.environ.get(DRAIN_FILE_ENV), self.batcher.begin_drain)
         self._log(f"clover: {self.name} serves {loaded.description} with {loaded.method} decoding, "
                   f"in-flight batch up to {loaded.max_batch}, context {self.limits.max_seq_len} tokens "
                   f"(loaded in {time.perf_counter() - start:.1f} s)")
@@ -105,6 +120,8 @@ class CloverTritonModel:
             return None if tensor is None else tensor.as_numpy()
 
         try:
+            parameters = getattr(request, "parameters", None)
+            refuse_unknown_parameters(parameters() if callable(parameters) else None)
             parsed = parse_request(get, self.loaded.tokenizer, self.limits, request_id=request.request_id())
             responder = _Responder(self.pb, sender, parsed.stream, parsed.return_perf_metrics)
             is_cancelled = getattr(sender, "is_cancelled", None) or getattr(request, "is_cancelled", None)
@@ -112,17 +129,54 @@ class CloverTritonModel:
         except Exception as exc:  # RequestError / ValueError: bad input; anything else: still this request only
             if self.prometheus is not None:
                 self.prometheus.rejected()
-            message = str(exc) if isinstance(exc, (ValueError, RuntimeError)) else f"{type(exc).__name__}: {exc}"
-            sender.send(self.pb.InferenceResponse(error=_error(self.pb, message)),
-                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            if isinstance(exc, ValueError):
+                error = _error(self.pb, str(exc), "INVALID_ARG")
+            elif isinstance(exc, ShuttingDown):
+                error = _error(self.pb, str(exc), "UNAVAILABLE")
+            else:
+                log.exception("clover: request failed")
+                error = _error(self.pb, f"internal error: {type(exc).__name__}: {exc}", "INTERNAL")
+            sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self) -> None:
+        self.drain_watch.stop()
         self.batcher.shutdown()
 
 
-def _error(pb, message: str):
-    code = getattr(getattr(pb, "TritonError", None), "INVALID_ARG", None)
-    return pb.TritonError(message) if code is None else pb.TritonError(message, code)
+def _error(pb, message: str, code: str):
+    """A TritonError with Triton's error code ``code`` (HTTP: INVALID_ARG 400, UNAVAILABLE 503, INTERNAL 500)."""
+    value = getattr(getattr(pb, "TritonError", None), code, None)
+    return pb.TritonError(message) if value is None else pb.TritonError(message, value)
+
+
+class _DrainWatch:
+    """Polls for the drain file ``clover serve`` writes before it stops tritonserver, then starts the
+    batcher's drain with the seconds written in it. Triton tells a Python model nothing before its exit
+    timeout has passed, too late to end long requests cleanly (docs/serving.md#shutdown-faults-and-security)."""
+
+    POLL_S = 0.1
+
+    def __init__(self, path: str | None, begin_drain) -> None:
+        self.path, self.begin_drain = path, begin_drain
+        self._stopped = threading.Event()
+        if path:
+            threading.Thread(target=self._run, name="clover-drain-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.POLL_S):
+            try:
+                text = Path(self.path).read_text()
+            except OSError:
+                continue
+            try:
+                seconds = float(text.strip())
+            except ValueError:
+                seconds = 0.0
+            self.begin_drain(seconds)
+            return
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 class _Responder:
@@ -135,8 +189,9 @@ class _Responder:
 
     def __call__(self, update: Update) -> None:
         final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if update.error is not None:
-            self.sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(update.error)), flags=final)
+        if update.error is not None:  # finish reason cancelled with an error: the server stopped under it
+            code = "UNAVAILABLE" if update.finish_reason == "cancelled" else "INTERNAL"
+            self.sender.send(self.pb.InferenceResponse(error=_error(self.pb, update.error, code)), flags=final)
             return
         if self.stream:
             text, ids = update.text, update.token_ids

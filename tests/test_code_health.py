@@ -1,0 +1,203 @@
+"""Structural rules of the code base: no import cycles in clover/, a light CLI import, short functions."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "clover"
+MAX_FUNCTION_LINES = 80
+FUNCTION_DIRS = ("clover", "training", "export", "benchmarks", "scripts", "tests")  # trt_plugins/ is exempt
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _package_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(node: ast.AST):
+    """Every Import / ImportFrom in ``node`` at any depth (functions, classes, try blocks...), except under
+    ``if TYPE_CHECKING:`` (its ``else`` branch does run, so it is kept)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for other in child.orelse:
+                yield from _import_nodes(ast.Module(body=[other], type_ignores=[]))
+        else:
+            yield from _import_nodes(child)
+
+
+def imported_modules(name: str, path: Path, modules: set[str]) -> list[tuple[str, int]]:
+    """(clover module, line) for each import in module ``name``.
+
+    ``import clover.a.b`` and ``from clover.a import b`` (b a submodule) import ``clover.a.b``; their implicit
+    imports of the parent packages are not counted. ``from clover.a import x`` (x not a module) imports
+    ``clover.a``. Relative imports are resolved against the module's package.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in _import_nodes(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+            continue
+        if node.level:
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+            source = ".".join(base + ([node.module] if node.module else []))
+        else:
+            source = node.module or ""
+        for alias in node.names:
+            submodule = f"{source}.{alias.name}"
+            found.append((submodule if submodule in modules else source, node.lineno))
+    return [(module, line) for module, line in found if module in modules]
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {imported clover module: first line}."""
+    modules = _package_modules()
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        edges: dict[str, int] = {}
+        for target, line in imported_modules(name, path, set(modules)):
+            edges.setdefault(target, line)
+        graph[name] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle per strongly connected component that has one (Tarjan, then a path inside the component)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+    counter = [0]
+
+    def strongconnect(v: str) -> None:  # recursion depth is bounded by the number of modules
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            components.append(set(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    cycles = []
+    for component in components:
+        start = min(component)
+        if len(component) == 1 and start not in graph[start]:
+            continue
+        # breadth-first from start back to start inside the component: a shortest cycle through it
+        parents, frontier, end = {start: None}, [start], None
+        while frontier and end is None:
+            following = []
+            for v in frontier:
+                for w in sorted(graph[v]):
+                    if w == start:
+                        end = v
+                        break
+                    if w in component and w not in parents:
+                        parents[w] = v
+                        following.append(w)
+                if end is not None:
+                    break
+            frontier = following
+        path, v = [], end
+        while v is not None:
+            path.append(v)
+            v = parents[v]
+        cycles.append(path[::-1] + [start])
+    return cycles
+
+
+def test_cycle_finder_on_small_graphs():
+    assert find_cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {}}) == []
+    assert find_cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"a": 1}}) == [["a", "a"]]
+
+
+def test_import_resolution(tmp_path, monkeypatch):
+    package = tmp_path / PACKAGE
+    (package / "sub").mkdir(parents=True)
+    for name in ("__init__.py", "a.py", "sub/__init__.py", "sub/b.py", "sub/c.py"):
+        (package / name).write_text("")
+    (package / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import c\n"                        # a sibling submodule
+        "from .. import a\n"                       # the parent's submodule
+        "from clover.sub import helper\n"          # an attribute of the package: the package itself
+        "def f():\n    import clover.a\n"          # function-level
+        "if TYPE_CHECKING:\n    from clover.sub.c import T\n"
+        "else:\n    from clover import sub\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    modules = set(_package_modules())
+    assert modules == {"clover", "clover.a", "clover.sub", "clover.sub.b", "clover.sub.c"}
+    found = imported_modules("clover.sub.b", package / "sub" / "b.py", modules)
+    assert found == [("clover.sub.c", 2), ("clover.a", 3), ("clover.sub", 4), ("clover.a", 6), ("clover.sub", 10)]
+
+
+def test_no_import_cycles_in_clover():
+    graph = import_graph()
+    assert len(graph) > 20 and graph["clover.decode"], "the import graph was not read"
+    cycles = find_cycles(graph)
+    lines = []
+    for cycle in cycles:
+        hops = [f"{a} ({_package_modules()[a].relative_to(ROOT)}:{graph[a][b]}) -> {b}" for a, b in zip(cycle, cycle[1:])]
+        lines.append(" | ".join(hops))
+    assert not cycles, "import cycles among clover modules:\n" + "\n".join(lines)
+
+
+def test_cli_import_does_not_load_the_serving_package():
+    code = ("import sys, clover.cli; "
+            "print('\\n'.join(m for m in sys.modules if m == 'clover.serving' or m.startswith('clover.serving.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout.split()
+    assert not loaded, f"import clover.cli loads {loaded}"
+
+
+def long_functions() -> list[str]:
+    found = []
+    for directory in FUNCTION_DIRS:
+        for path in sorted((ROOT / directory).rglob("*.py")):
+            if "trt_plugins" in path.relative_to(ROOT).parts:
+                continue
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1  # from `def` to the last body line
+                    if length > MAX_FUNCTION_LINES:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_no_function_longer_than_80_lines():
+    found = long_functions()
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The ShareGPT pipeline of issue 12 on the demo target, sized for a 2-core CPU
+# (training/README.md#sharegpt). Every stage resumes: rerun the same command.
+#   nice -n 10 bash training/sharegpt_pipeline.sh [data|ablation|main|eval|all] > outputs/logs/pipeline.log 2>&1 &
+# Knobs (environment): TRAIN_RECORDS (teacher-forced ShareGPT records cached, default 1200),
+# EVAL_RECORDS (120), ABLATION_TOKENS (30000), MAIN_TOKENS (300000), MTBENCH_LIMIT (24), BUDGETS (4,8).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE=${1:-all}
+TRAIN_RECORDS=${TRAIN_RECORDS:-1200}
+EVAL_RECORDS=${EVAL_RECORDS:-120}
+ABLATION_TOKENS=${ABLATION_TOKENS:-30000}
+MAIN_TOKENS=${MAIN_TOKENS:-300000}
+MTBENCH_LIMIT=${MTBENCH_LIMIT:-24}
+BUDGETS=${BUDGETS:-4,8}
+RECIPE=${RECIPE:---labels soft --regression-weight 10 --head-decay 0.7}
+SG=outputs/data/sharegpt
+CACHE=outputs/data/cache
+COMMON="--config training/configs/demo.json --no-progress --eval-cache $CACHE/sharegpt-eval --eval-conversations 80"
+stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
+
+if [[ $STAGE == data || $STAGE == all ]]; then
+  stamp "data: ShareGPT records"
+  [[ -f $SG/stats.json ]] || python training/sharegpt.py --output $SG
+  [[ -d engines/demo-features ]] || python training/hidden_cache.py --make-feature-engine engines/demo-features --target demo
+  stamp "data: eval cache"
+  python training/hidden_cache.py --engine engines/demo-features --distill $SG/teacher_eval.jsonl --limit "$EVAL_RECORDS" --output $CACHE/sharegpt-eval
+  stamp "data: train cache"
+  python training/hidden_cache.py --engine engines/demo-features --distill $SG/teacher_train.jsonl --limit "$TRAIN_RECORDS" --output $CACHE/sharegpt-train
+fi
+if [[ $STAGE == ablation || $STAGE == all ]]; then
+  # the recipe, one change at a time, same data, order and token budget
+  for variant in "hard:--labels hard" "soft:--labels soft" "soft-reg10:--labels soft --regression-weight 10" \
+                 "soft-reg1:--labels soft --regression-weight 1"; do
+    name=${variant%%:*}; flags=${variant#*:}
+    stamp "ablation: $name"
+    python training/train.py $COMMON --method clover --cache $CACHE/sharegpt-train --max-tokens "$ABLATION_TOKENS" \
+      --eval-every 1000000 $flags --output outputs/runs/ablation-$name
+  done
+fi
+if [[ $STAGE == main || $STAGE == all ]]; then
+  for method in clover medusa; do
+    stamp "main: $method"
+    python training/train.py $COMMON --method $method --cache $CACHE/sharegpt-train --max-tokens "$MAIN_TOKENS" \
+      --epochs 3 --eval-every 20 $RECIPE --output outputs/runs/sharegpt-$method
+  done
+fi
+if [[ $STAGE == eval || $STAGE == all ]]; then
+  stamp "eval: MT-bench and teacher-forced"
+  python training/evaluate.py --heads clover=outputs/runs/sharegpt-clover --heads medusa=outputs/runs/sharegpt-medusa \
+    --heads shipped-clover=clover/assets/smollm2-135m-instruct/clover \
+    --heads shipped-medusa=clover/assets/smollm2-135m-instruct/medusa \
+    --cache $CACHE/sharegpt-eval --mtbench --mtbench-limit "$MTBENCH_LIMIT" --budgets "$BUDGETS" \
+    --output outputs/eval-sharegpt
+fi
+stamp "done: $STAGE"
