@@ -88,12 +88,65 @@ def _generate_engine_dir(args) -> Path | None:
     return ensure_demo_engine(progress=lambda message: print(f"[clover] {message}", file=sys.stderr, flush=True))
 
 
+def _load_generate_engine(args, tree: TreeConfig):
+    """(engine, tokenizer) for ``clover generate``; fills in ``args.method`` from the engine's heads."""
+    from clover.target import load_tokenizer
+
+    engine_dir = _generate_engine_dir(args)
+    if engine_dir is not None:
+        from clover.backends import load_engine
+
+        engine = load_engine(engine_dir, threads=args.threads)
+        args.method = args.method or engine.spec.default_method
+        return engine, load_tokenizer(engine_dir)
+    from clover.backends.torch import TorchEngine
+
+    args.method = args.method or "clover"
+    engine = TorchEngine.from_checkpoint(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir)
+    if args.adaptive is not False and args.method != "vanilla" and tree.static_choices is None:
+        print("[clover] timing the torch engine's steps for the adaptive tree budget (seconds)", file=sys.stderr)
+        engine.calibrate_cost_model(min(256, args.batch_size * (1 + args.tree_budget)))
+    return engine, load_tokenizer(engine.checkpoint_dir)
+
+
+def _stream_to_terminal(decoder, requests, tokenizer, stop: list[str]):
+    """Decode one prompt, printing the answer as it grows (cut at a stop string); returns the results."""
+    from clover.decode import cut_at_stop
+
+    shown, tokens = [0], []
+
+    def on_event(event):
+        tokens.extend(event.new_token_ids)
+        text = cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), stop)
+        sys.stdout.write(text[shown[0]:])
+        sys.stdout.flush()
+        shown[0] = len(text)
+
+    results = decoder.generate(requests, on_event=on_event)
+    sys.stdout.write("\n")
+    return results
+
+
+def _write_results(results, path: Path | None) -> None:
+    """One JSON line per answer, to ``path`` or stdout."""
+    out = open(path, "w") if path else sys.stdout
+    try:
+        for r in results:
+            out.write(json.dumps({
+                "id": r.request_id, "text": r.text, "token_ids": r.token_ids, "num_steps": r.stats.num_steps,
+                "new_tokens": len(r.token_ids), "finish_reason": r.finish_reason,
+                "tokens_per_step": r.tokens_per_step, "acceptance_per_depth": r.stats.acceptance_per_depth,
+            }) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
 def cmd_generate(args) -> int:
     import torch
 
-    from clover.decode import GenerationRequest, SpeculativeDecoder, cut_at_stop, refuse_empty_prompt
+    from clover.decode import GenerationRequest, SpeculativeDecoder, refuse_empty_prompt
     from clover.prompts import encode_prompt, read_prompts_file
-    from clover.target import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,60 +155,20 @@ def cmd_generate(args) -> int:
     rows = [{"id": 0, "prompt": args.prompt}] if args.prompt is not None else read_prompts_file(args.prompts_file)
     for row in rows:  # the text, before loading the model: the chat template would hide an empty prompt
         refuse_empty_prompt(row["prompt"])
-    engine_dir = _generate_engine_dir(args)
-    if engine_dir is not None:
-        from clover.backends import load_engine
-
-        engine = load_engine(engine_dir, threads=args.threads)
-        tokenizer = load_tokenizer(engine_dir)
-        args.method = args.method or engine.spec.default_method
-    else:
-        from clover.backends.torch import TorchEngine
-
-        args.method = args.method or "clover"
-        engine = TorchEngine.from_checkpoint(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir)
-        tokenizer = load_tokenizer(engine.checkpoint_dir)
-        if args.adaptive is not False and args.method != "vanilla" and tree.static_choices is None:
-            print("[clover] timing the torch engine's steps for the adaptive tree budget (seconds)", file=sys.stderr)
-            engine.calibrate_cost_model(min(256, args.batch_size * (1 + args.tree_budget)))
+    engine, tokenizer = _load_generate_engine(args, tree)
     decoder = SpeculativeDecoder(engine, args.method, tree, tokenizer, max_batch_size=args.batch_size)
-
     requests = [GenerationRequest(encode_prompt(tokenizer, r["prompt"], not args.no_chat_template),
                                   max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   stop_strings=tuple(args.stop), seed=args.seed + i, request_id=r["id"])
                 for i, r in enumerate(rows)]
-
+    start = time.perf_counter()
     if args.prompt is not None:
-        shown = [0]
-        tokens: list[int] = []
-
-        def stream(event):
-            tokens.extend(event.new_token_ids)
-            text = cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), args.stop)
-            sys.stdout.write(text[shown[0]:])
-            sys.stdout.flush()
-            shown[0] = len(text)
-
-        start = time.perf_counter()
-        results = decoder.generate(requests, on_event=stream)
-        seconds = time.perf_counter() - start
-        sys.stdout.write("\n")
+        results = _stream_to_terminal(decoder, requests, tokenizer, args.stop)
     else:
-        out = open(args.output, "w") if args.output else sys.stdout
-        try:
-            start = time.perf_counter()
-            results = decoder.generate(requests)
-            seconds = time.perf_counter() - start
-            for r in results:
-                out.write(json.dumps({
-                    "id": r.request_id, "text": r.text, "token_ids": r.token_ids, "num_steps": r.stats.num_steps,
-                    "new_tokens": len(r.token_ids), "finish_reason": r.finish_reason,
-                    "tokens_per_step": r.tokens_per_step, "acceptance_per_depth": r.stats.acceptance_per_depth,
-                }) + "\n")
-        finally:
-            if out is not sys.stdout:
-                out.close()
-
+        results = decoder.generate(requests)
+    seconds = time.perf_counter() - start
+    if args.prompt is None:
+        _write_results(results, args.output)
     summary = summarize(results, seconds, args.method)
     print(f"[clover] {args.method}: {summary['new_tokens']} tokens in {summary['decode_seconds']:.2f} s "
           f"({summary['tokens_per_second']:.1f} tok/s, {summary['tokens_per_step']:.2f} tokens/step)", file=sys.stderr)
