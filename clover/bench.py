@@ -105,19 +105,21 @@ class TimedEngine:
         self.target_calls = 0
 
     def target(self, *args):
-        start = time.perf_counter()
-        try:
-            return self.inner.target(*args)
-        finally:
-            self.target_seconds += time.perf_counter() - start
-            self.target_calls += 1
+        self.target_calls += 1
+        result, seconds = _timed(self.inner.target, args)
+        self.target_seconds += seconds
+        return result
 
     def draft_step(self, *args):
-        start = time.perf_counter()
-        try:
-            return self.inner.draft_step(*args)
-        finally:
-            self.draft_seconds += time.perf_counter() - start
+        result, seconds = _timed(self.inner.draft_step, args)
+        self.draft_seconds += seconds
+        return result
+
+
+def _timed(fn, args) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
 
 
 def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, cost_model=None,

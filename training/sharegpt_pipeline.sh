@@ -3,7 +3,8 @@
 # (training/README.md#sharegpt). Every stage resumes: rerun the same command.
 #   nice -n 10 bash training/sharegpt_pipeline.sh [data|ablation|main|eval|all] > outputs/logs/pipeline.log 2>&1 &
 # Knobs (environment): TRAIN_RECORDS (teacher-forced ShareGPT records cached, default 1200),
-# EVAL_RECORDS (120), ABLATION_TOKENS (30000), MAIN_TOKENS (300000), MTBENCH_LIMIT (24), BUDGETS (4,8).
+# EVAL_RECORDS (120), ABLATION_TOKENS (30000), ABLATIONS (variants), MAIN_TOKENS (300000), EVAL_EVERY (20),
+# RECIPE (train.py flags of the main runs), MTBENCH_LIMIT (24), BUDGETS (4,8).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:-all}
@@ -11,9 +12,11 @@ TRAIN_RECORDS=${TRAIN_RECORDS:-1200}
 EVAL_RECORDS=${EVAL_RECORDS:-120}
 ABLATION_TOKENS=${ABLATION_TOKENS:-30000}
 MAIN_TOKENS=${MAIN_TOKENS:-300000}
+EVAL_EVERY=${EVAL_EVERY:-20}
+ABLATIONS=${ABLATIONS:-hard soft soft-reg10 soft-reg1}
 MTBENCH_LIMIT=${MTBENCH_LIMIT:-24}
 BUDGETS=${BUDGETS:-4,8}
-RECIPE=${RECIPE:---labels soft --regression-weight 10 --head-decay 0.7}
+RECIPE=${RECIPE:---labels soft --regression-weight 10}
 SG=outputs/data/sharegpt
 CACHE=outputs/data/cache
 COMMON="--config training/configs/demo.json --no-progress --eval-cache $CACHE/sharegpt-eval --eval-conversations 80"
@@ -30,19 +33,21 @@ if [[ $STAGE == data || $STAGE == all ]]; then
 fi
 if [[ $STAGE == ablation || $STAGE == all ]]; then
   # the recipe, one change at a time, same data, order and token budget
-  for variant in "hard:--labels hard" "soft:--labels soft" "soft-reg10:--labels soft --regression-weight 10" \
-                 "soft-reg1:--labels soft --regression-weight 1"; do
-    name=${variant%%:*}; flags=${variant#*:}
+  declare -A FLAGS=([hard]="--labels hard" [soft]="--labels soft" [soft-reg10]="--labels soft --regression-weight 10"
+                    [soft-reg1]="--labels soft --regression-weight 1")
+  for name in $ABLATIONS; do
+    flags=${FLAGS[$name]}
     stamp "ablation: $name"
     python training/train.py $COMMON --method clover --cache $CACHE/sharegpt-train --max-tokens "$ABLATION_TOKENS" \
-      --eval-every 1000000 $flags --output outputs/runs/ablation-$name
+      --eval-every 1000000 --batch-tokens "${ABLATION_BATCH_TOKENS:-4096}" --log-every 2 --save-every 4 $flags \
+      --output outputs/runs/ablation-$name
   done
 fi
 if [[ $STAGE == main || $STAGE == all ]]; then
   for method in clover medusa; do
     stamp "main: $method"
     python training/train.py $COMMON --method $method --cache $CACHE/sharegpt-train --max-tokens "$MAIN_TOKENS" \
-      --epochs 3 --eval-every 20 $RECIPE --output outputs/runs/sharegpt-$method
+      --epochs 3 --eval-every "$EVAL_EVERY" $RECIPE --output outputs/runs/sharegpt-$method
   done
 fi
 if [[ $STAGE == eval || $STAGE == all ]]; then

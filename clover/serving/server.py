@@ -266,6 +266,9 @@ class TritonServer:
                                   + self._tail_note())
             if self.is_ready():
                 self._note_stubs()
+                # Triton runs a short-lived stub per model during loading (its config auto-complete step) before
+                # the one that serves; only the stubs alive now are the serving ones whose death means a fault.
+                self._stubs = {pid: started for pid, started in self._stubs.items() if _start_time(pid) == started}
                 return self
             if time.monotonic() > deadline:
                 raise ServerError(f"tritonserver was not ready after {timeout_s:.0f} s (a Python backend stub that "
