@@ -256,6 +256,32 @@ def test_dead_stubs_reports_a_killed_stub_and_commands_restrict_admin_apis(tmp_p
         TritonServer(tmp_path, 0, 0, 0, install=_fake_install(tmp_path, region), drain_s=-1)
 
 
+def test_a_loading_stub_that_exits_before_readiness_is_not_reported_dead(tmp_path, monkeypatch):
+    """Triton runs a short-lived stub per model while loading (config auto-complete), then the serving one:
+    only the stubs alive at readiness are watched, or clover serve would stop a healthy server."""
+    ready_marker = tmp_path / "ready"
+    script = tmp_path / "tritonserver"
+    script.write_text(f"#!{sys.executable}\nimport pathlib, subprocess, sys, time\n"
+                      "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1.5)']).wait()\n"
+                      "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+                      f"pathlib.Path({str(ready_marker)!r}).write_text('')\n"
+                      "time.sleep(300)\n")
+    script.chmod(0o755)
+    server = TritonServer(tmp_path, 0, 0, 0, install=TritonInstall(script, "PATH"), drain_s=0)
+    monkeypatch.setattr(server, "is_ready", lambda: ready_marker.exists() and len(_children(server.pid)) == 1)
+    try:
+        server.start()
+        _wait_until(lambda: server.dead_stubs() == [] and len(server._stubs) == 1, what="the loading stub")
+        server.wait_ready(timeout_s=30)
+        assert server.dead_stubs() == []
+        serving = _children(server.pid)
+        assert list(server._stubs) == serving
+        os.kill(serving[0], signal.SIGKILL)  # the serving stub's death is still detected
+        _wait_until(lambda: server.dead_stubs() == serving, what="dead_stubs")
+    finally:
+        server.kill()
+
+
 # -- the real server ---------------------------------------------------------------------------------------------
 
 
