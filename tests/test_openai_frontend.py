@@ -472,9 +472,12 @@ def test_a_frontend_crash_is_reported(served, tiny_engine_dir, tmp_path, capsys)
         frontend.wait_ready(120)
         os.kill(frontend.process.pid, signal.SIGKILL)
 
-        class RunningTriton:  # tritonserver goes on running
+        class RunningTriton:  # tritonserver goes on running, its stubs healthy
             def wait(self, timeout=None):
                 time.sleep(timeout or 0)
+
+            def dead_stubs(self):
+                return []
 
         assert _wait_for_exit(RunningTriton(), frontend, io.StringIO()) == 1
         assert f"the OpenAI frontend (pid {frontend.process.pid}) exited with code -9" in capsys.readouterr().err
