@@ -3,7 +3,7 @@
 Unit tests of the request mapping run without a server. The rest run one real ``clover serve
 --openai-port`` (tritonserver from the nvidia-pytriton wheel on the tiny random engine, and the
 frontend process) for the whole module and compare its answers with the same requests sent through
-tritonclient, token for token (the ``return_token_ids`` extension), also with 8 streams at once.
+tritonclient, token for token (the ``return_token_ids`` extension), also with 16 streams at once.
 The last test stops that server with Ctrl-C; a crash of the frontend is reported (exit code 1).
 """
 
@@ -340,11 +340,15 @@ def _metrics(served) -> dict:
     return values
 
 
-def test_eight_concurrent_streams_equal_tritonclient(served, client):
-    prompts, lengths = PROMPTS[:8], [24 + 4 * i for i in range(8)]
+STREAMS = 16  # the issue's aim: greedy output equal to tritonclient under 16 concurrent streams
+
+
+def test_sixteen_concurrent_streams_equal_tritonclient(served, client):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(STREAMS)]
+    lengths = [24 + 2 * i for i in range(STREAMS)]
     expected = [_triton(served, p, n) for p, n in zip(prompts, lengths)]
     results, errors = {}, []
-    barrier = threading.Barrier(8)
+    barrier = threading.Barrier(STREAMS)
     before = _metrics(served)
 
     def run(i):
@@ -357,7 +361,7 @@ def test_eight_concurrent_streams_equal_tritonclient(served, client):
         except Exception as exc:  # reported below
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(STREAMS)]
     for t in threads:
         t.start()
     for t in threads:
