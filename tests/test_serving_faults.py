@@ -115,11 +115,29 @@ def test_stop_search_covers_only_the_new_text_window_and_finds_the_same_cut(monk
     assert max(windows) <= 5 + 8 + 4
 
 
-def _decoder(tiny_engine_dir):
+class _SlowEngine:
+    """The engine with a fixed pause per target pass, so a long request surely outlasts a drain deadline
+    (the tiny engine alone can finish 250 tokens inside it on a fast machine)."""
+
+    def __init__(self, inner, pause_s: float) -> None:
+        self.inner, self.spec, self.pause_s = inner, inner.spec, pause_s
+        self.cost_model = inner.cost_model
+
+    def target(self, *args):
+        time.sleep(self.pause_s)
+        return self.inner.target(*args)
+
+    def draft_step(self, *args):
+        return self.inner.draft_step(*args)
+
+
+def _decoder(tiny_engine_dir, pause_s: float = 0.0):
     from clover.backends.onnxruntime import OnnxRuntimeEngine
     from clover.target import load_tokenizer
 
     engine = OnnxRuntimeEngine(tiny_engine_dir, threads=1)
+    if pause_s:
+        engine = _SlowEngine(engine, pause_s)
     tokenizer = load_tokenizer(tiny_engine_dir)
     return lambda: SpeculativeDecoder(engine, "clover", tokenizer=tokenizer, max_batch_size=8)
 
@@ -138,7 +156,7 @@ def test_decoder_stop_strings_use_the_window_and_cut_like_the_whole_text(tiny_en
 
 
 def test_drain_refuses_new_requests_and_cancels_long_ones_at_the_deadline(tiny_engine_dir, reference):
-    make = _decoder(tiny_engine_dir)
+    make = _decoder(tiny_engine_dir, pause_s=0.02)  # 250 tokens then take >= 2.5 s: past the 0.5 s deadline
     end_id = reference.unused_token("a", 250)
     updates: dict[str, list] = {"long": [], "short": []}
     batcher = InflightBatcher(make)
