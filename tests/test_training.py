@@ -657,3 +657,19 @@ def test_mtbench_decoding_resumes_after_a_kill(tiny, tmp_path, monkeypatch):
     overall = ref["4"]["overall"]
     assert overall["sequences"] == 6 and overall["tokens_per_step"] == pytest.approx(1 + overall["accepted"] / overall["steps"])
     assert len(overall["accept_rate_by_depth"]) <= 3
+
+
+def test_curves_table_reads_the_last_point(tmp_path):
+    from training import curves
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "eval_log.jsonl").write_text("".join(json.dumps({"step": s, "tokens": 100 * s, "top1": [0.1 * s, 0.0],
+                                                            "top5": [0.2, 0.1], "agree1": [0.05 * s, 0.01]}) + "\n"
+                                                for s in (1, 2)))
+    (run / "training_summary.json").write_text(json.dumps({"assistant_tokens": 200, "wall_time_s": 3.0,
+                                                           "config": {"labels": "soft", "regression_weight": 10.0}}))
+    assert curves.main(["--run", f"soft={run}", "--output", str(tmp_path / "out")]) == 0
+    row = (tmp_path / "out" / "curves.md").read_text().splitlines()[-1]
+    assert row == "| soft | soft | 10.0 | 200 | 3.0 | 0.100/0.010 | 0.200/0.000 | 0.200/0.100 |"
+    assert (tmp_path / "out" / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"

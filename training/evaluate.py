@@ -285,7 +285,9 @@ def markdown(report: dict) -> str:
                 o = tf["overall"]
                 cells += [f"{o['top1'][i]:.3f}" if i < len(o["top1"]) else "", f"{o['top5'][i]:.3f}" if i < len(o["top5"]) else ""]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += ["", "Agree-1 (the head's top-1 is the target's own top-1, what greedy verification accepts), "
+                  "heads 1..K: " + "; ".join(f"{n}: " + "/".join(f"{a:.3f}" for a in tf["overall"].get("agree1", []))
+                                             for n, tf in tf_runs.items()), ""]
     dec_runs = {n: r["decode"] for n, r in runs.items() if r.get("decode")}
     if dec_runs:
         names = list(dec_runs)
@@ -360,6 +362,8 @@ def plot_mtbench(report: dict, output: Path) -> list[Path]:
         ax.plot([int(b) for b in budgets], [by_budget[b]["overall"]["tokens_per_step"] for b in budgets], "o-",
                 label=name)
     ax.set_xscale("log", base=2)
+    ticks = sorted({int(b) for m in runs.values() for b in m})
+    ax.set_xticks(ticks, [str(b) for b in ticks])
     ax.set_xlabel("tree budget (nodes)")
     ax.set_ylabel("tokens per step (tau)")
     ax.set_title("MT-bench first turns, greedy, fixed tree")

@@ -4,7 +4,7 @@
 #   nice -n 10 bash training/sharegpt_pipeline.sh [data|ablation|main|eval|all] > outputs/logs/pipeline.log 2>&1 &
 # Knobs (environment): TRAIN_RECORDS (teacher-forced ShareGPT records cached, default 1200),
 # EVAL_RECORDS (120), ABLATION_TOKENS (30000), ABLATIONS (variants), MAIN_TOKENS (300000), EVAL_EVERY (20),
-# RECIPE (train.py flags of the main runs), MTBENCH_LIMIT (24), BUDGETS (4,8).
+# SAVE_EVERY (20), RECIPE (train.py flags of the main runs), MTBENCH_LIMIT (24), BUDGETS (4,8).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:-all}
@@ -47,7 +47,7 @@ if [[ $STAGE == main || $STAGE == all ]]; then
   for method in clover medusa; do
     stamp "main: $method"
     python training/train.py $COMMON --method $method --cache $CACHE/sharegpt-train --max-tokens "$MAIN_TOKENS" \
-      --epochs 3 --eval-every "$EVAL_EVERY" $RECIPE --output outputs/runs/sharegpt-$method
+      --epochs 3 --eval-every "$EVAL_EVERY" --save-every "${SAVE_EVERY:-20}" $RECIPE --output outputs/runs/sharegpt-$method
   done
 fi
 if [[ $STAGE == eval || $STAGE == all ]]; then
