@@ -22,6 +22,8 @@ def load_run(directory: Path) -> dict:
     curve_path, summary_path = directory / "eval_log.jsonl", directory / "training_summary.json"
     curve = [json.loads(line) for line in curve_path.read_text().splitlines() if line] if curve_path.exists() else []
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    if not summary and (directory / "run_config.json").exists():  # a run still under way: its settings only
+        summary = {"config": json.loads((directory / "run_config.json").read_text())["config"]}
     return {"curve": curve, "summary": summary}
 
 
