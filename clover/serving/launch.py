@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TextIO
 
 from clover.config import ConfigError
-from clover.serving.served_engine import default_engine_dir
+from clover.demo import checkout_root, default_engine_dir
 from clover.serving.repository import MODEL_NAME, write_repository
-from clover.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, ServerError, TritonServer, checkout_root, free_port
+from clover.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, ServerError, TritonServer, free_port
 
 # how often clover serve checks that tritonserver and its stubs live; a dead stub is noticed within this
 HEALTH_POLL_S = 0.5

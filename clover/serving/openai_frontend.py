@@ -580,7 +580,8 @@ class FrontendProcess:
                 "--grpc-url", self.grpc_url, "--model", self.model, "--host", self.host, "--port", str(self.port)]
 
     def start(self) -> "FrontendProcess":
-        from clover.serving.server import ServerError, checkout_root
+        from clover.demo import checkout_root
+        from clover.serving.server import ServerError
 
         for package in ("fastapi", "uvicorn"):
             if not _importable(package):

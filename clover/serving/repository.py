@@ -18,7 +18,7 @@ from typing import Mapping
 
 from clover.config import ConfigError
 from clover.serving.protocol import render_model_config
-from clover.serving.server import checkout_root
+from clover.demo import checkout_root
 
 MODEL_NAME = "clover"
 

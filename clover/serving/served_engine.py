@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from clover.config import ConfigError, TreeConfig
-from clover.demo import default_engine_dir  # noqa: F401 (re-exported for the serving modules)
+from clover.demo import default_engine_dir
 
 TORCH_MAX_BATCH = 16  # the torch path has no built-in limit; this keeps a CPU server responsive
 
