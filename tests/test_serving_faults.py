@@ -550,7 +550,10 @@ def test_kill_9_of_the_stub_fails_in_flight_requests_fast_and_exits_non_zero(ins
             assert "error" in state or state.get("reason") == "length", state
             assert state["ended"] - killed < 5.0, state  # fail fast, not hang
         assert serve.proc.wait(30) == 1, serve.output
-        assert "stub (pid" in serve.output and "died" in serve.output
+        # clover serve's health check saw the dead stub, or (a race seen in CI) Triton 2.51 aborted on its own
+        # first; either way the server is down, reported, and exits 1
+        detected = "stub (pid" in serve.output and "died" in serve.output
+        assert detected or "tritonserver exited with code -" in serve.output, serve.output[-2000:]
         serve.check_nothing_left()
     finally:
         serve.close()
