@@ -183,15 +183,14 @@ def test_drain_refuses_new_requests_and_cancels_long_ones_at_the_deadline(tiny_e
 def test_triton_model_drains_when_the_drain_file_appears(tiny_engine_dir, reference, tmp_path, monkeypatch):
     from clover.serving.protocol import DRAIN_FILE_ENV
     from clover.serving.triton_model import CloverTritonModel
-    from tests.test_serving_unit import FakePbUtils, FakeRequest, _args, _text
+    from tests.test_serving_unit import FakePbUtils, FakeRequest, _args, _text, long_stream_request
 
     drain = tmp_path / "drain"
     monkeypatch.setenv(DRAIN_FILE_ENV, str(drain))
     end_id = reference.unused_token("a", 250)
     model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1"))
     try:
-        running = FakeRequest(text_input=_text("a"), max_tokens=np.array([250], np.int32), stream=np.array([True]),
-                              end_id=np.array([end_id], np.int32))
+        running = long_stream_request(end_id)
         model.execute([running])
         _wait_until(lambda: len(running.sender.responses) >= 2, what="a running stream")
         drain.write_text("0.2\n")  # what TritonServer.request_drain writes

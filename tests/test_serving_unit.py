@@ -559,14 +559,19 @@ def test_triton_model_logic_streams_batches_and_rejects(tiny_engine_dir, referen
     assert reasons["rejected"] == 1 and sum(reasons.values()) == 3
 
 
+def long_stream_request(end_id: int) -> "FakeRequest":
+    """A streamed 250-token request for prompt "a" that only ``end_id`` (a token it never emits) could stop."""
+    return FakeRequest(text_input=_text("a"), max_tokens=np.array([250], np.int32), stream=np.array([True]),
+                       end_id=np.array([end_id], np.int32))
+
+
 def test_triton_model_cancellation_through_the_sender(tiny_engine_dir, reference):
     from clover.serving.triton_model import CloverTritonModel
 
     end_id = reference.unused_token("a", 250)
     model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1"))
     try:
-        request = FakeRequest(text_input=_text("a"), max_tokens=np.array([250], np.int32), stream=np.array([True]),
-                              end_id=np.array([end_id], np.int32))
+        request = long_stream_request(end_id)
         model.execute([request])
         _wait_until(lambda: len(request.sender.responses) >= 3)
         request.sender.cancelled = True
