@@ -7,8 +7,9 @@ nodes per sequence costs up to ``1 + b`` times a vanilla step, so the best
 budget shrinks with the batch, down to 0 (vanilla: no draft steps at all).
 
 * :class:`CostModel`: measured seconds of one ``target`` pass against tokens
-  in flight (batch × tree size), and of one ``draft_step`` against frontier
-  nodes; piecewise-linear interpolation; JSON round-trip. :func:`calibrate`
+  in flight (batch × tree size), of one ``draft_step`` against frontier
+  nodes, and for Clover-2 of one ``draft_prefill`` against accepted positions;
+  piecewise-linear interpolation; JSON round-trip. :func:`calibrate`
   measures one on an engine (``build_engine(..., calibrate=True)`` stores it in
   ``engine.json`` under ``"cost_model"``).
 * :class:`AcceptanceModel`: expected tokens per step against budget, from a
@@ -16,9 +17,12 @@ budget shrinks with the batch, down to 0 (vanilla: no draft steps at all).
   exponential moving average per budget).
 * :func:`choose_budget`: the pure chooser. It maximises expected tokens/s::
 
-      B * E[tokens/step | b] / (target_time(B * (1 + b)) + draft_time(B, b))
+      B * E / (target_time(B * (1 + b)) + draft_time(B, b) + prefill_time(B * E)),  E = E[tokens/step | b]
 
-  Budget 0 is vanilla (E = 1, no draft time), so it is always a candidate.
+  Budget 0 is vanilla (E = 1, no draft time), so it is always a candidate. The
+  prefill term is Clover-2's ``draft_prefill`` over the accepted positions (0
+  for other drafters); the decode loop runs it after vanilla steps too, to keep
+  the drafter's KV cache in step.
 """
 
 from __future__ import annotations
@@ -67,14 +71,17 @@ class CostModel(JsonMixin):
     (tokens in flight = batch × (1 + tree budget)), sorted by tokens.
     ``draft``: ``[nodes, seconds]`` pairs for one ``draft_step`` over that many
     frontier nodes (empty for an engine without a drafter).
+    ``draft_prefill``: ``[positions, seconds]`` pairs for one ``draft_prefill`` over that many new positions,
+    all sequences together (Clover-2, engine contract v2; empty for other engines).
     """
 
     target: list[list[float]]
     draft: list[list[float]] = dataclasses.field(default_factory=list)
     source: str = ""  # what was measured (engine, machine), for reports
+    draft_prefill: list[list[float]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in ("target", "draft"):
+        for name in ("target", "draft", "draft_prefill"):
             points = [[float(x), float(y)] for x, y in getattr(self, name)]
             if any(x <= 0 or y < 0 for x, y in points):
                 raise ConfigError(f"cost model {name}: token counts must be > 0 and seconds >= 0")
@@ -89,6 +96,10 @@ class CostModel(JsonMixin):
     def draft_step_time(self, nodes: float) -> float:
         """Seconds of one draft step over ``nodes`` frontier nodes."""
         return _interpolate(self.draft, nodes)
+
+    def draft_prefill_time(self, positions: float) -> float:
+        """Seconds of one ``draft_prefill`` over ``positions`` new positions (0 for an engine without one)."""
+        return _interpolate(self.draft_prefill, positions)
 
     def draft_time(self, batch: int, budget: int, depth: int, top_k: int = 8) -> float:
         """Seconds of tree building: one draft step per level, at most ``depth`` levels.
@@ -166,7 +177,8 @@ class AcceptanceModel:
 def expected_throughput(batch: int, budget: int, cost: CostModel, tokens_per_step: float, depth: int,
                         top_k: int = 8) -> float:
     """Expected tokens/s of one decode step: ``batch * tokens_per_step / step seconds``."""
-    seconds = cost.target_time(batch * (1 + budget)) + cost.draft_time(batch, budget, depth, top_k)
+    seconds = (cost.target_time(batch * (1 + budget)) + cost.draft_time(batch, budget, depth, top_k)
+               + cost.draft_prefill_time(batch * tokens_per_step))
     return batch * tokens_per_step / seconds if seconds > 0 else math.inf
 
 
@@ -269,35 +281,23 @@ def token_counts(max_tokens: int) -> list[int]:
 
 
 def calibrate(engine, max_tokens: int = 64, repeats: int = 5, past: int = 32, source: str = "") -> CostModel:
-    """Time ``engine.target`` and ``engine.draft_step`` on synthetic inputs.
+    """Time ``engine.target``, ``engine.draft_step`` (and Clover-2's ``engine.draft_prefill``) on synthetic inputs.
 
     Target: one sequence of n new tokens (a causal chain) after ``past``
     cached tokens, for n = 1, 2, 4, ... ``max_tokens``; a batch of B trees of
     size T does about the same weight traffic and arithmetic as one row of
-    B·T tokens. Draft: n frontier nodes at head 0. Median of ``repeats``
-    after one warm-up. Takes seconds on a small engine.
+    B·T tokens. Draft: n frontier nodes at head 0. Draft prefill (engines with
+    ``spec.num_draft_kv_layers``): like the target, n new positions after
+    ``past`` in the drafter's own cache. Median of ``repeats`` after one
+    warm-up. Takes seconds on a small engine.
     """
-    from clover.attention import causal_packed_mask
-    from clover.kv_cache import KVCache
-
     spec = engine.spec
     max_tokens = max(1, min(max_tokens, spec.max_seq_len))
     past = max(0, min(past, spec.max_seq_len - max_tokens))  # positions must stay inside the engine's context
     gen = torch.Generator().manual_seed(0)
     counts = token_counts(max_tokens)
-    cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, past + max_tokens, spec.dtype,
-                    device=spec.device)
-    cache.add_rows(1)
-    k_cache, v_cache = cache.views()
-    target_points = []
-    for n in counts:
-        ids = torch.randint(0, spec.vocab_size, (1, n), generator=gen)
-        positions = torch.arange(past, past + n)[None]
-        lengths = torch.tensor([past], dtype=torch.int32)
-        mask = causal_packed_mask(1, n)
-        seconds = _median_seconds(lambda: engine.target(ids, positions, lengths, mask, k_cache, v_cache),
-                                  repeats, spec.device)
-        target_points.append([n, seconds])
+    target_points = _chain_points(engine.target, spec, spec.num_kv_layers, counts, past, repeats,
+                                  lambda n: (torch.randint(0, spec.vocab_size, (1, n), generator=gen),))
     draft_points = []
     if spec.num_draft_heads:
         for n in counts:
@@ -305,4 +305,30 @@ def calibrate(engine, max_tokens: int = 64, repeats: int = 5, past: int = 32, so
             token = torch.randint(0, spec.vocab_size, (n,), generator=gen)
             seconds = _median_seconds(lambda: engine.draft_step(hidden, token, 0), repeats, spec.device)
             draft_points.append([n, seconds])
-    return CostModel(target_points, draft_points, source=source)
+    prefill_points = []
+    if spec.num_draft_kv_layers:
+        prefill_points = _chain_points(engine.draft_prefill, spec, spec.num_draft_kv_layers, counts, past, repeats,
+                                       lambda n: (torch.randn(1, n, spec.hidden_size, generator=gen).to(spec.dtype),
+                                                  torch.randint(0, spec.vocab_size, (1, n), generator=gen)))
+    return CostModel(target_points, draft_points, source=source, draft_prefill=prefill_points)
+
+
+def _chain_points(call, spec, num_layers: int, counts: list[int], past: int, repeats: int, first_inputs):
+    """``[n, seconds]`` of ``call(*first_inputs(n), position_ids, past_lengths, packed_mask, k_cache, v_cache)``
+    over one causal chain of n new positions after ``past`` cached ones, for each n of ``counts``."""
+    from clover.attention import causal_packed_mask
+    from clover.kv_cache import KVCache
+
+    cache = KVCache(num_layers, spec.num_kv_heads, spec.head_dim, past + max(counts), spec.dtype, device=spec.device)
+    cache.add_rows(1)
+    k_cache, v_cache = cache.views()
+    points = []
+    for n in counts:
+        first = first_inputs(n)
+        positions = torch.arange(past, past + n)[None]
+        lengths = torch.tensor([past], dtype=torch.int32)
+        mask = causal_packed_mask(1, n)
+        seconds = _median_seconds(lambda: call(*first, positions, lengths, mask, k_cache, v_cache), repeats,
+                                  spec.device)
+        points.append([n, seconds])
+    return points

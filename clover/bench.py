@@ -71,7 +71,7 @@ METRICS = {"batch": ("tokens_per_s", "tokens_per_step", "target_ms", "draft_ms",
 METRIC_TITLES = {"tokens_per_s": "tokens/s", "tokens_per_step": "tokens/step",
                  "tree_depth": "tree depth reached (mean deepest level per step)",
                  "target_ms": "target pass (ms per step)", "draft_ms": "draft steps (ms per step)",
-                 "host_ms": "host work outside the engine (ms per step)",
+                 "host_ms": "host work: all but onnxruntime's runs (ms per step)",
                  "ttft_p50_ms": "time to first token p50 (ms)", "ttft_p99_ms": "time to first token p99 (ms)",
                  "itl_p50_ms": "inter-token latency p50 (ms)", "itl_p99_ms": "inter-token latency p99 (ms)"}
 X_LABELS = {"batch": "batch size", "budget": "tree budget (draft nodes)", "heads": "heads used (tree depth)",
@@ -95,8 +95,12 @@ class Config:
 
 
 class TimedEngine:
-    """Wraps an engine and adds up the seconds spent inside its two contract callables, so a decode's
-    wall time splits into target passes, draft steps and the host work between them."""
+    """Wraps an engine to split a decode's wall time into target passes, draft steps and host work.
+
+    The target and draft seconds are the engine's own work: the time inside onnxruntime's run calls where the
+    engine counts it (``run_seconds``), else the whole call. Host work is the rest: the decode loop and the
+    backend's glue around its run calls (docs/results/host-overhead/README.md).
+    """
 
     def __init__(self, inner) -> None:
         self.inner, self.spec = inner, inner.spec
@@ -105,21 +109,45 @@ class TimedEngine:
         self.target_calls = 0
 
     def target(self, *args):
+        result, own = self._timed(self.inner.target, args)
         self.target_calls += 1
-        result, seconds = _timed(self.inner.target, args)
-        self.target_seconds += seconds
+        self.target_seconds += own
         return result
 
     def draft_step(self, *args):
-        result, seconds = _timed(self.inner.draft_step, args)
-        self.draft_seconds += seconds
+        result, own = self._timed(self.inner.draft_step, args)
+        self.draft_seconds += own
         return result
 
+    def draft_prefill(self, *args):
+        """Clover-2's block (engine contract v2): drafting work, counted with the draft steps."""
+        result, own = self._timed(self.inner.draft_prefill, args)
+        self.draft_seconds += own
+        return result
 
-def _timed(fn, args) -> tuple[Any, float]:
-    start = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - start
+    def totals(self) -> tuple[float, int, float, float]:
+        """(now, target calls, target seconds, draft seconds): :func:`step_split` takes two."""
+        return time.perf_counter(), self.target_calls, self.target_seconds, self.draft_seconds
+
+    def _timed(self, fn, args) -> tuple[Any, float]:
+        """(result, the engine's own seconds in the call)."""
+        counted = getattr(self.inner, "run_seconds", None)
+        start = time.perf_counter()
+        result = fn(*args)
+        wall = time.perf_counter() - start
+        return result, wall if counted is None else self.inner.run_seconds - counted
+
+
+def step_split(before: tuple, after: tuple) -> dict:
+    """target_ms, draft_ms and host_ms per target pass between two :meth:`TimedEngine.totals`.
+
+    :func:`run_decode` measures from the end of the first step (the prompt pass, the KV cache's allocation
+    and a first decode step: once per decode, not per step) to the end of the decode.
+    """
+    seconds, calls, target, draft = (a - b for a, b in zip(after, before))
+    calls = max(calls, 1)
+    return {"target_ms": 1000 * target / calls, "draft_ms": 1000 * draft / calls,
+            "host_ms": 1000 * (seconds - target - draft) / calls}
 
 
 def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, cost_model=None,
@@ -134,9 +162,16 @@ def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, c
                                  cost_model=cost_model)
     requests = [GenerationRequest(prompts[(first_prompt + i) % len(prompts)], max_new_tokens=max_new,
                                   stop_token_ids=()) for i in range(config.batch)]
-    start = time.perf_counter()
-    results = decoder.generate(requests)
-    seconds = time.perf_counter() - start
+    first_step: list[tuple] = []  # the totals when the first step has run
+
+    def after_first_step(_event) -> None:
+        if not first_step:
+            first_step.append(engine.totals())
+
+    start = engine.totals()
+    results = decoder.generate(requests, after_first_step)
+    end = engine.totals()
+    seconds = end[0] - start[0]
     tokens = sum(len(r.token_ids) for r in results)
     steps = sum(r.stats.num_steps for r in results)
     deepest = sum(sum(r.stats.depth_tried) for r in results)  # depth_tried[d]: steps whose tree reached d+1
@@ -144,10 +179,8 @@ def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, c
               # no decode step at all (one token per prompt): reported as vanilla's 1 token per step
               "tokens_per_step": tokens_per_step(tokens, steps, len(results)) if steps else 1.0,
               "tree_depth": deepest / steps if steps else 0.0,
-              # per target pass (prefill included): where the time goes
-              "target_ms": 1000 * engine.target_seconds / engine.target_calls,
-              "draft_ms": 1000 * engine.draft_seconds / engine.target_calls,
-              "host_ms": 1000 * (seconds - engine.target_seconds - engine.draft_seconds) / engine.target_calls}
+              # where the time goes, per decode step after the first (over the whole decode if it had one step)
+              **step_split(first_step[0] if end[1] > first_step[0][1] else start, end)}
     if decoder.adaptive is not None:
         budgets = [b for _, b in decoder.adaptive.history]
         sample["budgets"] = {str(b): budgets.count(b) for b in sorted(set(budgets))}
@@ -178,8 +211,10 @@ class TritonSweep:
         from clover.serving.server import TritonServer
 
         clover_dir = str(engines["clover"].engine_dir)
+        engine_method = engines["clover"].spec.default_method  # clover, or clover2 for Clover-2 heads
         models = {"vanilla": ("vanilla", {"engine_dir": clover_dir, "method": "vanilla"}),
-                  "clover": ("clover", {"engine_dir": clover_dir, "method": "clover", "tree_budget": str(args.budget),
+                  "clover": ("clover", {"engine_dir": clover_dir, "method": engine_method,
+                                        "tree_budget": str(args.budget),
                                         "adaptive": "false"}),
                   # the model a user gets with no parameters: adaptive where the engine stores a cost model
                   "default-clover": ("clover_default", {"engine_dir": clover_dir})}
@@ -187,7 +222,7 @@ class TritonSweep:
             models["medusa"] = ("medusa", {"engine_dir": str(engines["medusa"].engine_dir), "method": "medusa",
                                            "tree_budget": str(args.budget), "adaptive": "false"})
         if engines["clover"].cost_model is not None:  # the server's adaptive model needs a stored one
-            models["adaptive-clover"] = ("clover_adaptive", {"engine_dir": clover_dir, "method": "clover",
+            models["adaptive-clover"] = ("clover_adaptive", {"engine_dir": clover_dir, "method": engine_method,
                                                              "adaptive": "true",
                                                              "tree_budget": str(args.adaptive_max_budget)})
         for _, params in models.values():
@@ -240,9 +275,11 @@ def summarize(samples: list[dict], key: str) -> dict | None:
 
 def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] = (),
                   extra_engines: dict[str, str] | None = None) -> dict[str, list[Config]]:
-    """The configurations of every sweep; ``extra_engines`` maps a label to its decode method."""
+    """The configurations of every sweep; ``extra_engines`` maps a label to its decode method.
+
+    The ``clover`` lines run the main engine's own method (``clover``, or ``clover2`` for Clover-2 heads)."""
     extra_engines = extra_engines or {}
-    heads = spec.num_draft_heads
+    heads, engine_method = spec.num_draft_heads, spec.default_method
     configs: dict[str, list[Config]] = {}
     if "batch" in args.sweeps:
         rows = []
@@ -250,31 +287,31 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
             rows.append(Config("batch", batch, "vanilla", "vanilla", batch))
             if has_medusa:
                 rows.append(Config("batch", batch, "medusa", "medusa", batch, TreeConfig(budget=args.budget, adaptive=False), "medusa"))
-            rows.append(Config("batch", batch, "clover", "clover", batch, TreeConfig(budget=args.budget, adaptive=False)))
+            rows.append(Config("batch", batch, "clover", engine_method, batch, TreeConfig(budget=args.budget, adaptive=False)))
             for budget in args.fixed_budgets:
                 if budget != args.budget:
-                    rows.append(Config("batch", batch, f"clover-b{budget}", "clover", batch, TreeConfig(budget=budget, adaptive=False)))
-            rows.append(Config("batch", batch, "adaptive-clover", "clover", batch,
+                    rows.append(Config("batch", batch, f"clover-b{budget}", engine_method, batch, TreeConfig(budget=budget, adaptive=False)))
+            rows.append(Config("batch", batch, "adaptive-clover", engine_method, batch,
                                TreeConfig(budget=args.adaptive_max_budget, adaptive=True)))
             # what `clover generate` does with no flags: adaptive where the engine stores a cost model
-            rows.append(Config("batch", batch, "default-clover", "clover", batch, TreeConfig(budget=args.budget)))
+            rows.append(Config("batch", batch, "default-clover", engine_method, batch, TreeConfig(budget=args.budget)))
             for label, method in extra_engines.items():
                 rows.append(Config("batch", batch, label, method, batch, TreeConfig(budget=args.budget, adaptive=False), label))
         configs["batch"] = rows
     if "budget" in args.sweeps:
         rows = []
         for budget in args.budgets:
-            rows.append(Config("budget", budget, "clover", "clover", args.sweep_batch, TreeConfig(budget=budget, adaptive=False)))
+            rows.append(Config("budget", budget, "clover", engine_method, args.sweep_batch, TreeConfig(budget=budget, adaptive=False)))
             if has_medusa:
                 rows.append(Config("budget", budget, "medusa", "medusa", args.sweep_batch, TreeConfig(budget=budget, adaptive=False),
                                    "medusa"))
         configs["budget"] = rows
     if "heads" in args.sweeps:
-        configs["heads"] = [Config("heads", k, "clover", "clover", args.sweep_batch, TreeConfig(budget=args.budget, depth=k, adaptive=False))
+        configs["heads"] = [Config("heads", k, "clover", engine_method, args.sweep_batch, TreeConfig(budget=args.budget, depth=k, adaptive=False))
                             for k in range(1, heads + 1)]
     if "hf" in args.sweeps:
         configs["hf"] = [Config("hf", 1, "vanilla", "vanilla", 1),
-                         Config("hf", 1, "clover", "clover", 1, TreeConfig(budget=args.budget, adaptive=False)),
+                         Config("hf", 1, "clover", engine_method, 1, TreeConfig(budget=args.budget, adaptive=False)),
                          Config("hf", 1, "hf-greedy", "hf-greedy", 1),
                          Config("hf", 1, "hf-prompt-lookup", "hf-prompt-lookup", 1)]
     if "triton" in args.sweeps:
@@ -447,16 +484,20 @@ def step_costs(cost_model, batch_sizes: list[int], budget: int, depth: int, top_
     """Where a speculative step's time goes, from the cost model (measured at calibration on this engine).
 
     Per batch size B: one vanilla step (a target pass over B tokens), one speculative step at ``budget``
-    (a target pass over B(1+budget) tokens plus the draft steps), and their ratio: the tokens/step a
-    speculative step must reach just to match vanilla tokens/s.
+    (a target pass over B(1+budget) tokens plus the draft steps, plus for Clover-2 its ``draft_prefill``
+    over at least one accepted position per sequence), and their ratio: the tokens/step a
+    speculative step must reach just to match vanilla tokens/s (a lower bound for Clover-2, whose prefill
+    grows with the accepted tokens).
     """
     rows = []
     for batch in batch_sizes:
         vanilla = cost_model.target_time(batch)
         verify = cost_model.target_time(batch * (1 + budget))
         draft = cost_model.draft_time(batch, budget, depth, top_k)
+        prefill = cost_model.draft_prefill_time(batch)  # 0 without draft_prefill
         rows.append({"batch": batch, "vanilla_ms": 1000 * vanilla, "verify_ms": 1000 * verify,
-                     "draft_ms": 1000 * draft, "break_even_tokens_per_step": (verify + draft) / vanilla})
+                     "draft_ms": 1000 * draft, "draft_prefill_ms": 1000 * prefill,
+                     "break_even_tokens_per_step": (verify + draft + prefill) / vanilla})
     return rows
 
 
@@ -545,7 +586,10 @@ def markdown(report: dict) -> str:
             measured = "–"
             if batch and row["batch"] in batch["x"]:
                 measured = _cell(batch["tokens_per_step"][batch["x"].index(row["batch"])], 2)
-            lines.append(f"| {row['batch']} | {row['vanilla_ms']:.1f} | {row['verify_ms']:.1f} | {row['draft_ms']:.1f} "
+            draft = f"{row['draft_ms']:.1f}"
+            if row.get("draft_prefill_ms"):  # Clover-2's draft_prefill, apart
+                draft += f" + {row['draft_prefill_ms']:.1f} draft_prefill"
+            lines.append(f"| {row['batch']} | {row['vanilla_ms']:.1f} | {row['verify_ms']:.1f} | {draft} "
                          f"| {row['break_even_tokens_per_step']:.2f} | {measured} |")
         lines.append("")
     lines += ["## Aims", "", "| aim | measured | goal | met |", "|---|---|---|---|"]

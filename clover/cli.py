@@ -44,9 +44,10 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--cache-dir", help="where the demo checkpoint is converted to (default: $CLOVER_CACHE_DIR or ~/.cache/clover)")
     p.add_argument("--engine", type=Path, help="built engine directory (export/build_engine.py); replaces "
                    "--target/--drafter: tokenizer, heads and limits come from its engine.json")
-    p.add_argument("--method", choices=["vanilla", "medusa", "clover"], default=None,
+    p.add_argument("--method", choices=["vanilla", "medusa", "clover", "clover2"], default=None,
                    help="decoding method (default: the family of the heads in use, clover for the torch path; "
-                        "vanilla for an engine without heads)")
+                        "vanilla for an engine without heads); clover2: Clover-2 heads (none are shipped yet: "
+                        "untrained ones unless --drafter names trained ones)")
     p.add_argument("--drafter", help="trained draft-head directory (config.json + model.safetensors), "
                    "'demo-clover' / 'demo-medusa' (the heads shipped for the demo target, the default there), or "
                    "'untrained' (heads initialised from the target: lossless, little speed-up)")
@@ -78,7 +79,8 @@ def _generate_engine_dir(args) -> Path | None:
         if args.backend == "torch":
             raise ConfigError("--engine runs on its own backend; drop --backend torch (or --engine)")
         return args.engine
-    demo_default = args.target == "demo" and args.drafter in (None, "demo-clover") and args.method != "medusa"
+    demo_default = (args.target == "demo" and args.drafter in (None, "demo-clover")
+                    and args.method not in ("medusa", "clover2"))
     if args.backend == "torch" or (args.backend == "auto" and not demo_default):
         return None
     if not demo_default:
@@ -213,7 +215,7 @@ def add_serve_parser(subparsers) -> None:
                    "(default: $CLOVER_ENGINE_DIR, else engines/demo in this checkout)")
     p.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "torch"], default="auto",
                    help="engine backend; auto takes the one engine.json names")
-    p.add_argument("--method", choices=["auto", "clover", "medusa", "vanilla"], default="auto",
+    p.add_argument("--method", choices=["auto", "clover", "clover2", "medusa", "vanilla"], default="auto",
                    help="decoding method; auto: the engine's heads if it has some, else vanilla")
     p.add_argument("--max-batch", type=int, default=0, help="sequences decoded together at most (0: the engine's limit)")
     p.add_argument("--tree-budget", type=int, default=None, help="draft tree nodes per step (default: the engine's)")

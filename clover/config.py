@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-DRAFTER_METHODS = ("clover", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment")
+DRAFTER_METHODS = ("clover", "clover2", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment")
 
 
 class ConfigError(ValueError):
@@ -23,10 +23,11 @@ class ConfigError(ValueError):
 
 def decoding_method(drafter_method: str | None) -> str:
     """The decoding method that runs heads of ``drafter_method``: ``vanilla`` without heads, ``medusa`` for
-    Medusa heads, ``clover`` for Clover and its ablation variants (they share the regressive draft loop)."""
+    Medusa heads, ``clover2`` for Clover-2 (it needs the ``draft_prefill`` callable of engine contract v2),
+    ``clover`` for Clover and its ablation variants (they share the regressive draft loop)."""
     if drafter_method is None:
         return "vanilla"
-    return "medusa" if drafter_method == "medusa" else "clover"
+    return drafter_method if drafter_method in ("medusa", "clover2") else "clover"
 
 
 def read_json_file(path: Path, missing: str) -> Any:
@@ -89,13 +90,22 @@ class TargetConfig(JsonMixin):
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "TargetConfig":
-        """Build from a Hugging Face ``config.json`` dict; reject what this code cannot run."""
+        """Build from a Hugging Face ``config.json`` dict; reject what this code cannot run.
+
+        Sliding-window attention (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``) equals
+        full causal attention on sequences no longer than the window, so the context is capped there
+        (``max_position_embeddings``) rather than refused (docs/train-your-own.md#supported-checkpoints).
+        """
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture model_type={model_type!r} "
-                f"(architectures={hf.get('architectures')}); Clover supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"(architectures={hf.get('architectures')}); Clover supports Llama-family decoders with "
+                f"model_type {', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, Mistral, Qwen2/2.5)"
             )
+        if hf.get("quantization_config"):
+            method = hf["quantization_config"].get("quant_method", "?")
+            raise ConfigError(f"quantized checkpoint ({method}); Clover loads fp32/bf16/fp16 safetensors weights")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -124,11 +134,21 @@ class TargetConfig(JsonMixin):
             o_bias=o_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=_attention_span(hf),
             architecture=model_type,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _attention_span(hf: dict[str, Any]) -> int:
+    """The longest context on which this code's full causal attention equals the checkpoint's attention."""
+    span = hf.get("max_position_embeddings", 2048)
+    sliding = hf.get("model_type") == "mistral" or hf.get("use_sliding_window") or \
+        "sliding_attention" in (hf.get("layer_types") or [])
+    if sliding and hf.get("sliding_window"):
+        span = min(span, int(hf["sliding_window"]))
+    return span
 
 
 @dataclasses.dataclass
@@ -140,7 +160,10 @@ class DrafterConfig(JsonMixin):
     the normed last hidden state) or an ablation of Clover:
     ``clover-mlp-regressive`` (MLP in place of the Attention Decoder),
     ``clover-no-regressive`` (no token fed back), ``clover-no-augment`` (no
-    Augmenting Block). The ``target_*`` fields record which target the heads
+    Augmenting Block); or ``clover2`` (Clover-2: a token-aware Augmenting Block
+    of ``block_layers`` decoder layers with its own KV cache, run by
+    ``draft_prefill`` after each target pass; docs/drafter.md#clover-2).
+    The ``target_*`` fields record which target the heads
     belong to, so loading them on another target fails clearly.
     """
 
@@ -150,9 +173,13 @@ class DrafterConfig(JsonMixin):
     vocab_size: int
     target_num_layers: int
     num_attention_heads: int = 1  # Attention Decoder heads
+    block_layers: int = 2  # clover2 only: decoder layers of its Augmenting Block
     init_noise_std: float = 0.01
     target_fingerprint: str = ""
     target_architecture: str = "llama"
+    # FR-Spec draft vocabulary (docs/drafter.md#draft-vocabulary): the heads score only the first
+    # draft_vocab_size ids of draft_vocab.safetensors (most frequent first); 0 scores the full vocabulary
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in DRAFTER_METHODS:
@@ -161,10 +188,18 @@ class DrafterConfig(JsonMixin):
             raise ConfigError("a drafter needs at least one head")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError("hidden_size must be a multiple of num_attention_heads")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} is not in [0, vocab_size {self.vocab_size}]")
 
     @property
     def has_augmenting_block(self) -> bool:
+        """An Augmenting Block inside the target pass (Clover's contract v1; Clover-2's runs in draft_prefill)."""
         return self.method in ("clover", "clover-mlp-regressive", "clover-no-regressive")
+
+    @property
+    def has_draft_prefill(self) -> bool:
+        """The drafter keeps its own KV cache, written by ``draft_prefill`` (engine contract v2)."""
+        return self.method == "clover2"
 
     @property
     def regressive(self) -> str | None:

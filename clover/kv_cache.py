@@ -7,6 +7,7 @@ only the accepted tokens' K/V; finished rows are compacted away.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -24,6 +25,7 @@ class KVCache:
         self.num_rows = 0
         self._capacity = 0
         self._keys = self._values = None
+        self._views: tuple = (None, (), ())  # (rows, key views, value views) of the last views() call
         self._lengths = torch.zeros(0, dtype=torch.int32)
         self._grow(max(1, capacity))
 
@@ -47,6 +49,7 @@ class KVCache:
             return new
 
         self._keys, self._values = grown(self._keys), grown(self._values)
+        self._views = (None, (), ())  # views of the old tensors
         lengths = torch.zeros(capacity, dtype=torch.int32)
         lengths[: self.num_rows] = self._lengths[: self.num_rows]
         self._lengths, self._capacity = lengths, capacity
@@ -89,9 +92,16 @@ class KVCache:
         return self._lengths[: self.num_rows]
 
     def views(self, rows: slice | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer key and value views ``[n, Hkv, S_max, D]`` of the live rows (contiguous, no copy)."""
+        """Per-layer key and value views ``[n, Hkv, S_max, D]`` of the live rows (contiguous, no copy).
+
+        The same view tensors come back while the rows and the storage stay the same, so a backend may keep
+        what it derives from them (the onnxruntime backend keeps its feeds: docs/trees.md#host-work-per-step).
+        """
         rows = rows or slice(0, self.num_rows)
-        return list(self._keys[:, rows].unbind(0)), list(self._values[:, rows].unbind(0))
+        key = (rows.start, rows.stop, rows.step)
+        if self._views[0] != key:
+            self._views = (key, self._keys[:, rows].unbind(0), self._values[:, rows].unbind(0))
+        return list(self._views[1]), list(self._views[2])
 
     def commit(self, present_keys, present_values, source_index: torch.Tensor, counts: torch.Tensor,
                rows: slice | None = None) -> None:
@@ -105,16 +115,43 @@ class KVCache:
         """
         rows = rows or slice(0, self.num_rows)
         first_row = rows.start or 0
-        lengths = self._lengths[rows]
-        if int((lengths + counts.to(torch.int32)).max()) > self.max_seq_len:
+        counts_list, starts = [int(c) for c in counts.tolist()], self._lengths[rows].tolist()
+        if max((s + c for s, c in zip(starts, counts_list)), default=0) > self.max_seq_len:
             raise RuntimeError("KV cache overflow: a sequence is longer than max_seq_len")
-        counts_list, starts = counts.tolist(), lengths.tolist()
-        source_index = source_index.to(self.device)
+        write = self._write_rows_numpy if self._numpy_writes else self._write_rows_torch
         for cache, presents in ((self._keys, present_keys), (self._values, present_values)):
-            new = torch.stack(presents)  # [L, n, Hkv, T, D]: small, only this step's tokens
-            for i, (start, count) in enumerate(zip(starts, counts_list)):
-                if count:  # one slice copy per row for all layers
-                    # index_select, not new[:, i, :, index]: torch's advanced indexing takes ~10 ms here on CPU
-                    # (measured 2026-12-01, torch 2.13), index_select ~10 us
-                    cache[:, first_row + i, :, start : start + count] = new[:, i].index_select(2, source_index[i, :count])
-        self._lengths[rows] += counts.to(torch.int32)
+            write(cache, presents, source_index, first_row, starts, counts_list)
+        self._lengths[rows] += torch.tensor(counts_list, dtype=torch.int32)
+
+    @property
+    def _numpy_writes(self) -> bool:
+        return self.device == "cpu" and self.dtype in (torch.float32, torch.float16, torch.float64)
+
+    @staticmethod
+    def _write_rows_numpy(cache: torch.Tensor, presents, source_index: torch.Tensor, first_row: int,
+                          starts: list[int], counts: list[int]) -> None:
+        """Row i's ``counts[i]`` tokens ``source_index[i]`` of ``presents`` (one ``[n, Hkv, T, D]`` per layer) to
+        positions ``starts[i]...`` of cache row ``first_row + i``: one NumPy take per row for all layers, straight
+        into the cache (a NumPy call costs ~1 us, a torch op 5-10 us on CPU: docs/trees.md#host-work-per-step)."""
+        new = torch.stack(presents).detach().numpy()  # [L, n, Hkv, T, D]: small, only this step's tokens
+        source = source_index.detach().cpu().numpy()
+        used = source[np.arange(source.shape[1]) < np.asarray(counts)[:, None]]  # what the rows keep
+        if used.size and (used.min() < 0 or used.max() >= new.shape[3]):
+            raise IndexError(f"source_index outside the {new.shape[3]} tokens just run")
+        target = cache.numpy()
+        for i, (start, count) in enumerate(zip(starts, counts)):
+            if count:  # mode="clip" writes into the cache view unbuffered; the indices were checked above
+                np.take(new[:, i], source[i, :count], axis=2, out=target[:, first_row + i, :, start : start + count],
+                        mode="clip")
+
+    @staticmethod
+    def _write_rows_torch(cache: torch.Tensor, presents, source_index: torch.Tensor, first_row: int,
+                          starts: list[int], counts: list[int]) -> None:
+        """:meth:`_write_rows_numpy` for caches NumPy cannot hold (GPU, bfloat16)."""
+        new = torch.stack(presents)  # [L, n, Hkv, T, D]: small, only this step's tokens
+        source_index = source_index.to(cache.device)
+        for i, (start, count) in enumerate(zip(starts, counts)):
+            if count:  # one slice copy per row for all layers
+                # index_select, not new[:, i, :, index]: torch's advanced indexing takes ~10 ms here on CPU
+                # (measured 2026-12-01, torch 2.13), index_select ~10 us
+                cache[:, first_row + i, :, start : start + count] = new[:, i].index_select(2, source_index[i, :count])

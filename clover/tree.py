@@ -1,23 +1,26 @@
 """Token trees (docs/trees.md#building-a-tree): building them from draft steps, and their buffers.
 
 Everything here is a pure function of its arguments. A tree is built per
-sequence per decode step; node 0 is the root, the last accepted token, whose
-K/V is not yet in the cache.
+sequence per decode step, for the whole batch at once; node 0 is the root,
+the last accepted token, whose K/V is not yet in the cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from types import MappingProxyType
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, Mapping
 
+import numpy as np
 import torch
 
 from clover.attention import pack_mask
 from clover.config import TreeConfig
 from clover.engine_contract import DraftResult
+from clover.host_ops import as_numpy, take_rows
 
 
 @dataclasses.dataclass
@@ -59,24 +62,6 @@ class TokenTree:
 DraftFn = Callable[[torch.Tensor, torch.Tensor, int], DraftResult]
 
 
-class Candidate(NamedTuple):
-    """A drafted token that may enter a sequence's tree (an entry of its candidate pool)."""
-
-    score: float                  # joint log-probability of the path from the root (0 for the root)
-    depth: int                    # 0 for the root
-    parent: int                   # pool index of the parent; -1 for the root
-    token: int
-    rank_path: tuple[int, ...]    # the candidate rank chosen at each level, as in ``TreeConfig.static_choices``
-
-
-class _Choice(NamedTuple):
-    """A child picked at one level: draft row ``row`` of the level's batch, candidate ``rank`` of that row."""
-
-    score: float
-    row: int
-    rank: int
-
-
 @dataclasses.dataclass(frozen=True)
 class StaticTreeShape:
     """What a static tree's choices fix, whatever the draft scores: built once per set of choices.
@@ -84,10 +69,16 @@ class StaticTreeShape:
     ``depth``: the longest path; ``child_ranks``: per rank path, the ranks of
     the children to keep, ascending. (The node order, and so the masks, still
     depend on the scores: each level is sorted by score across parents.)
+    The same as tables over path ids (0: the root's empty path):
+    ``child_rank_table`` / ``child_id_table`` int64 ``[paths, max children]``,
+    each path's children's ranks (ascending) and path ids, -1 where a path has
+    fewer children.
     """
 
     depth: int
     child_ranks: Mapping[tuple[int, ...], tuple[int, ...]]  # read-only: the cache shares it
+    child_rank_table: np.ndarray  # read-only, as above
+    child_id_table: np.ndarray
 
 
 @functools.lru_cache(maxsize=32)
@@ -97,8 +88,112 @@ def static_tree_shape(paths: tuple[tuple[int, ...], ...]) -> StaticTreeShape:
     for path in paths:
         if path:
             children.setdefault(path[:-1], set()).add(path[-1])
-    return StaticTreeShape(max((len(p) for p in paths), default=0),
-                           MappingProxyType({prefix: tuple(sorted(ranks)) for prefix, ranks in children.items()}))
+    child_ranks = {prefix: tuple(sorted(ranks)) for prefix, ranks in children.items()}
+    ids = {(): 0}
+    for path in sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p)):  # parents get ids first
+        ids.setdefault(path, len(ids))
+    width = max((len(ranks) for ranks in child_ranks.values()), default=0)
+    rank_table = np.full((len(ids), max(width, 1)), -1, dtype=np.int64)
+    id_table = np.full_like(rank_table, -1)
+    for prefix, ranks in child_ranks.items():
+        rank_table[ids[prefix], : len(ranks)] = ranks
+        id_table[ids[prefix], : len(ranks)] = [ids[prefix + (rank,)] for rank in ranks]
+    rank_table.flags.writeable = id_table.flags.writeable = False
+    return StaticTreeShape(max((len(p) for p in paths), default=0), MappingProxyType(child_ranks),
+                           rank_table, id_table)
+
+
+# Trees are built for the whole batch at once (docs/trees.md#host-work-per-step): NumPy arrays hold the
+# candidates, since each of these small index operations costs about 1 us there and 5-10 us as a torch op on
+# CPU. torch.topk picks each sequence's children, as it always did: its order among tied scores is part of the
+# tree, and a batched call orders each row exactly as a call on that row alone.
+
+@dataclasses.dataclass
+class _Pools:
+    """Every sequence's candidates (its pool), as ``[B, P]`` arrays; slot 0 is the root, ``size [B]`` slots used.
+
+    score: joint log-probability of the path from the root (0 for the root), float32 for dynamic trees and
+    float64 for static ones (the precision each always had: see _choose_dynamic and _choose_static); parent: the
+    parent's slot (-1 for the root); token. Unused slots hold score -inf and depth 0.
+    """
+
+    score: np.ndarray
+    depth: np.ndarray
+    parent: np.ndarray
+    token: np.ndarray
+    size: np.ndarray
+    used: np.ndarray  # bool [B, P]: the slots of drafted candidates (the root excluded)
+
+    @classmethod
+    def start(cls, roots: np.ndarray, capacity: int, score_dtype: type) -> "_Pools":
+        batch = len(roots)
+        pools = cls(np.full((batch, capacity), -np.inf, dtype=score_dtype), np.zeros((batch, capacity), np.int64),
+                    np.full((batch, capacity), -1, np.int64), np.zeros((batch, capacity), np.int64),
+                    np.ones(batch, np.int64), np.zeros((batch, capacity), bool))
+        pools.score[:, 0], pools.token[:, 0] = 0.0, roots
+        return pools
+
+
+@dataclasses.dataclass
+class _Frontier:
+    """The nodes expanded by one draft step, one row each, grouped by sequence (ascending).
+
+    seq, slot int64 ``[N]``: sequence and pool slot; score float32 ``[N]``; path int64 ``[N]``: static path id.
+    """
+
+    seq: np.ndarray
+    slot: np.ndarray
+    score: np.ndarray
+    path: np.ndarray
+
+
+@dataclasses.dataclass
+class _Chosen:
+    """The children picked at one level, in next-frontier order (by sequence, then by decreasing score):
+    ``row``/``rank``: the draft row and candidate rank they come from."""
+
+    seq: np.ndarray
+    row: np.ndarray
+    rank: np.ndarray
+    score: np.ndarray
+    path: np.ndarray
+
+
+def draft_tree_batch(draft_step: DraftFn, root_hidden: torch.Tensor, root_tokens, tree: TreeConfig,
+                     num_heads: int) -> "TreeBatch":
+    """:func:`build_trees` as the batch's buffers (:class:`TreeBatch`), without per-sequence Python objects.
+
+    ``root_tokens``: B ints (a list or an int64 tensor).
+    """
+    static = None
+    if tree.static_choices is not None:
+        static = static_tree_shape(tuple(tuple(path) for path in tree.static_choices))
+    roots = np.asarray(root_tokens.tolist() if isinstance(root_tokens, torch.Tensor) else root_tokens,
+                       dtype=np.int64).reshape(-1)
+    depth_limit = _depth_limit(tree, num_heads, static)
+    if static is None:  # each level adds at most `budget` children per sequence
+        pools = _Pools.start(roots, 1 + depth_limit * tree.budget, np.float32)
+    else:  # one slot per path
+        pools = _Pools.start(roots, len(static.child_rank_table), np.float64)
+    batch = len(roots)
+    frontier = _Frontier(np.arange(batch), np.zeros(batch, np.int64), pools.score[:, 0].copy(),
+                         np.zeros(batch, np.int64))
+    hidden, tokens = root_hidden, torch.from_numpy(roots.copy())  # [N, H], [N]
+    for depth in range(depth_limit):
+        result = draft_step(hidden, tokens, depth)
+        width = min(tree.top_k, result.topk_ids.shape[1])
+        logprobs = as_numpy(result.topk_logprobs[:, :width].float())  # [N, width]
+        ids = as_numpy(result.topk_ids)[:, :width]
+        if static is not None:
+            chosen, useful = _choose_static(frontier, logprobs, static), True
+        else:
+            chosen, useful = _choose_dynamic(frontier, logprobs, pools, tree.budget, tree.prune_ratio)
+        frontier = _add_children(pools, frontier, chosen, ids[chosen.row, chosen.rank], depth + 1)
+        if not useful or len(chosen.row) == 0:
+            break
+        hidden = take_rows(result.next_hidden, chosen.row)
+        tokens = torch.from_numpy(pools.token[frontier.seq, frontier.slot])
+    return _pools_to_batch(pools, None if static is not None else tree.budget)
 
 
 def build_trees(draft_step: DraftFn, root_hidden: torch.Tensor, root_tokens: list[int],
@@ -119,24 +214,10 @@ def build_trees(draft_step: DraftFn, root_hidden: torch.Tensor, root_tokens: lis
         root_tokens: B root tokens (the last accepted token of each sequence).
         num_heads: heads the drafter has; the tree is at most that deep.
     Returns:
-        One :class:`TokenTree` per sequence, in level order, siblings by score.
+        One :class:`TokenTree` per sequence, in level order, siblings by score
+        (:func:`draft_tree_batch` gives the same trees as buffers).
     """
-    static = None
-    if tree.static_choices is not None:
-        static = static_tree_shape(tuple(tuple(path) for path in tree.static_choices))
-    pools = [[Candidate(0.0, 0, -1, int(t), ())] for t in root_tokens]
-    frontier = [(b, 0) for b in range(len(pools))]  # (sequence, pool index) of the nodes to expand next
-    hidden = root_hidden  # [len(frontier), H]
-    tokens = torch.tensor([int(t) for t in root_tokens], dtype=torch.long)  # [len(frontier)]
-    for depth in range(_depth_limit(tree, num_heads, static)):
-        if not frontier:
-            break
-        result = draft_step(hidden, tokens, depth)
-        frontier, parent_rows = _expand_level(pools, frontier, result, depth, tree, static)
-        if frontier:
-            hidden = result.next_hidden[torch.tensor(parent_rows)]
-            tokens = torch.tensor([pools[b][i].token for b, i in frontier], dtype=torch.long)
-    return [_pool_to_tree(pool, None if static is not None else tree.budget) for pool in pools]
+    return draft_tree_batch(draft_step, root_hidden, root_tokens, tree, num_heads).trees()
 
 
 def _depth_limit(tree: TreeConfig, num_heads: int, static: StaticTreeShape | None) -> int:
@@ -146,74 +227,107 @@ def _depth_limit(tree: TreeConfig, num_heads: int, static: StaticTreeShape | Non
     return 0 if tree.budget == 0 else limit
 
 
-def _expand_level(pools: list[list[Candidate]], frontier: list[tuple[int, int]], result: DraftResult, depth: int,
-                  tree: TreeConfig, static: StaticTreeShape | None) -> tuple[list[tuple[int, int]], list[int]]:
-    """Add the chosen children of the frontier nodes (draft rows of ``result``) to the pools.
-
-    Returns the next frontier, each sequence's children by decreasing score,
-    and per next-frontier node its parent's row in ``result``. Both are empty
-    when a dynamic tree can stop here.
-    """
-    width = min(tree.top_k, result.topk_ids.shape[1])
-    logprobs, ids = result.topk_logprobs[:, :width].float(), result.topk_ids[:, :width]  # [N, width]
-    log_prune = math.log(tree.prune_ratio) if tree.prune_ratio > 0 else -math.inf
-    rows_of: dict[int, list[int]] = {}  # sequence -> its rows of the draft batch
-    for row, (b, _) in enumerate(frontier):
-        rows_of.setdefault(b, []).append(row)
-    next_frontier, parent_rows, still_useful = [], [], static is not None
-    for b, rows in rows_of.items():
-        pool = pools[b]
-        parents = [pool[frontier[row][1]] for row in rows]
-        if static is not None:
-            chosen = _choose_static(parents, rows, logprobs, static)
-        else:
-            chosen, useful = _choose_dynamic(pool, parents, rows, logprobs, tree.budget, log_prune)
-            still_useful |= useful
-        for score, row, rank in sorted(chosen, key=lambda c: -c.score):
-            parent = frontier[row][1]
-            pool.append(Candidate(score, depth + 1, parent, int(ids[row, rank]), pool[parent].rank_path + (rank,)))
-            next_frontier.append((b, len(pool) - 1))
-            parent_rows.append(row)
-    return (next_frontier, parent_rows) if still_useful else ([], [])
+def _segments(seq: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For rows grouped by sequence: (rows per sequence ``[B]``, first row per sequence ``[B]``, the sequences
+    that have rows, ascending)."""
+    counts = np.bincount(seq, minlength=batch)
+    return counts, counts.cumsum() - counts, counts.nonzero()[0]
 
 
-def _choose_static(parents: list[Candidate], rows: list[int], logprobs: torch.Tensor,
-                   static: StaticTreeShape) -> list[_Choice]:
-    """The children of ``parents`` (at draft ``rows``; ``logprobs [N, width]``) whose rank path is a choice."""
+def _choose_dynamic(frontier: _Frontier, logprobs: np.ndarray, pools: _Pools, budget: int,
+                    prune_ratio: float) -> tuple[_Chosen, bool]:
+    """Each sequence's ``budget`` best children of its frontier rows (``logprobs [N, width]``), over
+    ``prune_ratio`` times its best; and whether a deeper level could still enter some tree.
+    Scores add up in float32 (the draft's precision)."""
     width = logprobs.shape[1]
-    return [_Choice(parent.score + float(logprobs[row, rank]), row, rank)
-            for parent, row in zip(parents, rows)
-            for rank in static.child_ranks.get(parent.rank_path, ()) if rank < width]
+    scores = frontier.score[:, None] + logprobs  # [N, width] float32
+    counts, first, live = _segments(frontier.seq, len(pools.size))
+    best = np.maximum.reduceat(scores.max(1), first[live])  # [len(live)]
+    # the threshold as the float32 comparison with a Python float did it: rounded from float64
+    log_prune = math.log(prune_ratio) if prune_ratio > 0 else -math.inf
+    threshold = (best.astype(np.float64) + log_prune).astype(np.float32)
+    over = (scores >= np.repeat(threshold, counts[live])[:, None]).sum(1)
+    take = np.zeros_like(counts)
+    take[live] = np.minimum(np.add.reduceat(over, first[live]), budget)
+    # deeper levels only matter while some sequence's best here could still enter its tree
+    entered = ((pools.score[live] >= best[:, None]) & pools.used[live]).sum(1)
+    still_useful = bool((entered < budget).any())
+    return _top_children(scores, counts, first, take), still_useful
 
 
-def _choose_dynamic(pool: list[Candidate], parents: list[Candidate], rows: list[int], logprobs: torch.Tensor,
-                    budget: int, log_prune: float) -> tuple[list[_Choice], bool]:
-    """The ``budget`` best children of one sequence's ``parents`` (at draft ``rows``; ``logprobs [N, width]``).
+def _top_children(scores: np.ndarray, counts: np.ndarray, first: np.ndarray, take: np.ndarray) -> _Chosen:
+    """The ``take[b]`` best of sequence b's candidates ``scores[first[b] : first[b] + counts[b]]`` (flattened).
 
-    Returns them, and whether a deeper level could still enter the tree.
+    Sequences with as many rows and children share one ``torch.topk`` call.
     """
-    width = logprobs.shape[1]
-    parent_scores = torch.tensor([parent.score for parent in parents])  # [n] float32, as the scores are
-    scores = (parent_scores[:, None] + logprobs[torch.tensor(rows)]).flatten()  # [n * width]
-    best = float(scores.max())
-    kept = int((scores >= best + log_prune).sum())
-    top = torch.topk(scores, min(budget, kept))
-    chosen = [_Choice(float(s), rows[int(i) // width], int(i) % width) for s, i in zip(top.values, top.indices)]
-    # deeper levels only matter while this level's best could still enter the tree
-    still_useful = sum(node.score >= best for node in pool[1:]) < budget
-    return chosen, still_useful
+    width = scores.shape[1]
+    flat = scores.reshape(-1)
+    offsets = take.cumsum() - take  # where each sequence's children start in the output
+    total = int(take.sum())
+    seq, row, rank = (np.empty(total, np.int64) for _ in range(3))
+    out_scores = np.empty(total, np.float32)
+    live = take.nonzero()[0]
+    keys = counts[live] * (int(take.max()) + 1) + take[live]
+    groups = [live] if keys.min() == keys.max() else [live[keys == key] for key in np.unique(keys)]
+    for members in groups:
+        rows, k = int(counts[members[0]]), int(take[members[0]])
+        candidates = flat[(first[members] * width)[:, None] + np.arange(rows * width)]  # [G, rows * width]
+        values, index = torch.topk(torch.from_numpy(candidates), k)
+        index = index.numpy()
+        dest = offsets[members][:, None] + np.arange(k)
+        seq[dest], out_scores[dest] = members[:, None], values.numpy()
+        row[dest], rank[dest] = first[members][:, None] + index // width, index % width
+    return _Chosen(seq, row, rank, out_scores, np.zeros(total, np.int64))
 
 
-def _pool_to_tree(pool: list[Candidate], budget: int | None) -> TokenTree:
-    """The tree of a pool: all of it (static), or its ``budget`` best candidates (dynamic)."""
-    keep = list(range(1, len(pool)))
-    if budget is not None:  # best `budget` by score; ties go to the shallower node, so parents come first
-        keep = sorted(keep, key=lambda i: (-pool[i].score, pool[i].depth))[:budget]
-    keep.sort(key=lambda i: (pool[i].depth, -pool[i].score))  # level order, siblings by score
-    out, index_of = TokenTree.root(pool[0].token), {0: 0}
-    for i in keep:
-        index_of[i] = out.add(index_of[pool[i].parent], pool[i].token)
-    return out
+def _choose_static(frontier: _Frontier, logprobs: np.ndarray, static: StaticTreeShape) -> _Chosen:
+    """The children of the frontier rows whose rank path is a choice, each sequence's by decreasing score
+    (ties: in frontier-row order, then by rank). Scores add up in float64, as Python floats always did here."""
+    ranks = static.child_rank_table[frontier.path]  # [N, children]
+    row, column = np.nonzero((ranks >= 0) & (ranks < logprobs.shape[1]))  # row-major: by row, then by rank
+    rank = ranks[row, column]
+    scores = frontier.score[row] + logprobs[row, rank].astype(np.float64)
+    seq = frontier.seq[row]
+    order = np.lexsort((-scores, seq))  # stable: by sequence, then by decreasing score
+    return _Chosen(seq[order], row[order], rank[order], scores[order],
+                   static.child_id_table[frontier.path[row], column][order])
+
+
+def _add_children(pools: _Pools, frontier: _Frontier, chosen: _Chosen, tokens: np.ndarray, depth: int) -> _Frontier:
+    """Append the chosen children to their pools; they are the next frontier."""
+    counts, first, _ = _segments(chosen.seq, len(pools.size))
+    slot = pools.size[chosen.seq] + np.arange(len(chosen.seq)) - first[chosen.seq]
+    pools.score[chosen.seq, slot] = chosen.score
+    pools.depth[chosen.seq, slot] = depth
+    pools.parent[chosen.seq, slot] = frontier.slot[chosen.row]
+    pools.token[chosen.seq, slot] = tokens
+    pools.used[chosen.seq, slot] = True
+    pools.size += counts
+    return _Frontier(chosen.seq, slot, chosen.score, chosen.path)
+
+
+def _pools_to_batch(pools: _Pools, budget: int | None) -> "TreeBatch":
+    """The trees of the pools: all of each (static), or its ``budget`` best candidates (dynamic); nodes in level
+    order, siblings by score."""
+    used = pools.used.copy()
+    seq = np.arange(len(used))[:, None]
+    neg_score = -pools.score + np.float32(0.0)  # + 0: -0.0 ties with 0.0, as in Python
+    if budget is not None:  # best `budget` by score; ties go to the shallower node (parents first), then the slot
+        order = np.lexsort((pools.depth, neg_score, ~used), axis=-1)
+        used[seq, order[:, budget:]] = False
+    order = np.lexsort((neg_score, pools.depth, ~used), axis=-1)  # level order, siblings by score, then slot
+    sizes = 1 + used.sum(1)
+    size = int(sizes.max())
+    nodes = np.concatenate([np.zeros((len(sizes), 1), np.int64), order[:, : size - 1]], axis=1)  # [B, T] slots
+    real = np.arange(size)[None] < sizes[:, None]
+    position = np.full(pools.parent.shape, -1, np.int64)  # slot -> node index
+    b, i = np.nonzero(real)
+    position[b, nodes[b, i]] = i
+    parents = np.where(real, position[seq, pools.parent[seq, nodes].clip(0)], -1)
+    parents[:, 0] = -1
+    tokens = np.where(real, pools.token[seq, nodes], 0)
+    depths = np.where(real, pools.depth[seq, nodes], 0)
+    return _tree_batch(tokens, parents, depths, sizes)
 
 
 @dataclasses.dataclass
@@ -222,8 +336,8 @@ class TreeBatch:
 
     input_ids, position_offsets int64 ``[B, T]`` (offset = depth);
     packed_mask int32 ``[B, T, ceil(T/32)]``; ancestors bool ``[B, T, T]``;
-    parents int64 ``[B, T]`` (-1 for roots and padding); valid bool ``[B, T]``.
-    Padding rows see only themselves.
+    parents int64 ``[B, T]`` (-1 for roots and padding); valid bool ``[B, T]``;
+    sizes int64 ``[B]``: nodes per tree. Padding rows see only themselves.
     """
 
     input_ids: torch.Tensor
@@ -232,20 +346,61 @@ class TreeBatch:
     ancestors: torch.Tensor
     parents: torch.Tensor
     valid: torch.Tensor
+    sizes: torch.Tensor | None = None  # None: counted from ``valid``
+
+    def trees(self) -> list[TokenTree]:
+        """One :class:`TokenTree` per sequence (the buffers without their padding)."""
+        sizes = (self.sizes if self.sizes is not None else self.valid.sum(1)).tolist()
+        tokens, parents, depths = self.input_ids.tolist(), self.parents.tolist(), self.position_offsets.tolist()
+        return [TokenTree(t[:n], p[:n], d[:n]) for t, p, d, n in zip(tokens, parents, depths, sizes)]
+
+
+def ancestor_masks(parents: np.ndarray) -> np.ndarray:
+    """bool ``[B, T, T]`` from parents int64 ``[B, T]`` (-1: none; a parent precedes its child): row i has its
+    own bit and its ancestors' bits. One step per tree level."""
+    batch, size = parents.shape
+    mask = np.broadcast_to(np.eye(size, dtype=bool), (batch, size, size)).copy()
+    ancestor = parents
+    while True:
+        b, i = np.nonzero(ancestor >= 0)
+        if len(b) == 0:
+            return mask
+        mask[b, i, ancestor[b, i]] = True
+        ancestor = np.where(ancestor >= 0, np.take_along_axis(parents, ancestor.clip(0), 1), -1)
+
+
+def _tree_batch(tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, sizes: np.ndarray) -> TreeBatch:
+    """The buffers of trees given as padded int64 ``[B, T]`` arrays and ``sizes [B]``."""
+    ancestors = torch.from_numpy(ancestor_masks(parents))
+    valid = np.arange(tokens.shape[1])[None] < sizes[:, None]
+    return TreeBatch(torch.from_numpy(tokens), torch.from_numpy(depths), pack_mask(ancestors), ancestors,
+                     torch.from_numpy(parents), torch.from_numpy(valid), torch.from_numpy(sizes))
+
+
+def root_batch(root_tokens) -> TreeBatch:
+    """The buffers of root-only trees (a vanilla step) for B root tokens (a list or an int64 tensor).
+
+    Everything but the tokens is the same for every such step of B sequences: built once per B and shared
+    (read-only by contract, as all buffers are).
+    """
+    tokens = torch.as_tensor(root_tokens, dtype=torch.long).reshape(-1, 1)  # [B, 1]
+    return dataclasses.replace(_root_buffers(len(tokens)), input_ids=tokens)
+
+
+@functools.lru_cache(maxsize=8)
+def _root_buffers(batch: int) -> TreeBatch:
+    zeros = np.zeros((batch, 1), np.int64)
+    return _tree_batch(zeros, np.full((batch, 1), -1, np.int64), zeros, np.ones(batch, np.int64))
 
 
 def batch_trees(trees: list[TokenTree]) -> TreeBatch:
-    batch, size = len(trees), max(len(t) for t in trees)
-    input_ids = torch.zeros(batch, size, dtype=torch.long)
-    offsets = torch.zeros(batch, size, dtype=torch.long)
-    parents = torch.full((batch, size), -1, dtype=torch.long)
-    valid = torch.zeros(batch, size, dtype=torch.bool)
-    ancestors = torch.eye(size, dtype=torch.bool).repeat(batch, 1, 1)
-    for b, tree in enumerate(trees):
-        n = len(tree)
-        input_ids[b, :n] = torch.tensor(tree.tokens)
-        offsets[b, :n] = torch.tensor(tree.depths)
-        parents[b, :n] = torch.tensor(tree.parents)
-        valid[b, :n] = True
-        ancestors[b, :n, :n] = tree.ancestor_mask()
-    return TreeBatch(input_ids, offsets, pack_mask(ancestors), ancestors, parents, valid)
+    """The buffers of a batch of trees (:class:`TreeBatch`)."""
+    sizes = np.fromiter((len(tree) for tree in trees), np.int64, len(trees))
+    real = np.arange(int(sizes.max()))[None] < sizes[:, None]  # [B, T]
+
+    def padded(field: str, fill: int) -> np.ndarray:
+        out = np.full(real.shape, fill, np.int64)
+        out[real] = list(itertools.chain.from_iterable(getattr(tree, field) for tree in trees))
+        return out
+
+    return _tree_batch(padded("tokens", 0), padded("parents", -1), padded("depths", 0), sizes)

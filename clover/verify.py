@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from clover.config import SamplingConfig
+from clover.host_ops import argmax_last, as_numpy
 from clover.tree import TokenTree, TreeBatch
 
 
@@ -46,31 +48,34 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
 def sample_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
     """One token from logits ``[V]``: argmax when greedy, else from :func:`target_probs`."""
     if sampling.greedy:
-        return int(logits.argmax())
+        return int(argmax_last(logits))
     return int(torch.multinomial(target_probs(logits, sampling), 1, generator=generator))
 
 
 def greedy_accept(logits: torch.Tensor, batch: TreeBatch) -> list[Accepted]:
-    """Longest greedy-matching path per sequence.
+    """Longest greedy-matching path per sequence, for the whole batch at once (NumPy on the host:
+    docs/trees.md#host-work-per-step).
 
     Args:
         logits: ``[B, T, V]`` target logits for the tree tokens.
         batch: the trees' buffers.
     """
-    predicted = logits.argmax(-1)  # [B, T]: target's next token after each node
-    parent_prediction = predicted.gather(1, batch.parents.clamp(min=0))
-    matches = (batch.input_ids == parent_prediction) | (batch.parents < 0)
-    matches &= batch.valid
+    predicted = as_numpy(argmax_last(logits))  # [B, T]: target's next token after each node
+    ids, parents, ancestors = as_numpy(batch.input_ids), as_numpy(batch.parents), as_numpy(batch.ancestors)
+    rows = np.arange(len(ids))
+    matches = (ids == predicted[rows[:, None], parents.clip(0)]) | (parents < 0)
+    matches &= as_numpy(batch.valid)
     # a node is accepted when it and all its ancestors match
-    accepted = ~(batch.ancestors & ~matches[:, None, :]).any(-1)  # [B, T]
-    depth = batch.position_offsets.masked_fill(~accepted, -1)
-    deepest = depth.argmax(-1)  # [B]
-    results = []
-    for b in range(logits.shape[0]):
-        path = torch.nonzero(batch.ancestors[b, deepest[b]]).flatten().tolist()  # ancestors precede children
-        tokens = batch.input_ids[b, path[1:]].tolist() + [int(predicted[b, deepest[b]])]
-        results.append(Accepted(path, tokens))
-    return results
+    accepted = ~(ancestors & ~matches[:, None, :]).any(-1)  # [B, T]
+    deepest = np.where(accepted, as_numpy(batch.position_offsets), -1).argmax(-1)  # [B]
+    on_path = ancestors[rows, deepest]  # [B, T]
+    size = on_path.shape[1]
+    # the path's nodes first, ascending (ancestors precede children), then T for the rest
+    path = np.sort(np.where(on_path, np.arange(size), size), axis=1)  # [B, T]
+    tokens = ids[rows[:, None], path.clip(max=size - 1)]  # [B, T]
+    lengths, paths, tokens = on_path.sum(1).tolist(), path.tolist(), tokens.tolist()
+    bonus = predicted[rows, deepest].tolist()
+    return [Accepted(p[:n], t[1:n] + [extra]) for p, t, n, extra in zip(paths, tokens, lengths, bonus)]
 
 
 def sampling_accept(logits: torch.Tensor, tree: TokenTree, sampling: SamplingConfig,

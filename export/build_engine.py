@@ -53,6 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="int8 weights for the draft step: its LM-head read shrinks 4x, so drafting costs about "
                         "half on CPU; only the proposals change, outputs stay lossless (the target is untouched). "
                         "Default: on for onnxruntime fp32 engines; --no-draft-int8 keeps fp32 drafts")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="the draft step scores only the N most frequent tokens of the heads' draft_vocab.safetensors "
+                        "(FR-Spec; written by training/draft_vocab.py): its LM-head cost shrinks by V/N; only the "
+                        "proposals change, outputs stay lossless. 0: the full vocabulary. Default: the heads' own "
+                        "draft_vocab_size (config.json; the full vocabulary for heads without one)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
     p.add_argument("--recalibrate", action="store_true",
                    help="only measure and store a new cost model in the existing engine --output (cost models "
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
                      overwrite=args.overwrite, calibrate=args.calibrate,
                      calibrate_max_tokens=args.calibrate_max_tokens, on_layer=on_layer,
                      draft_int8=default_draft_int8(args.backend, args.dtype) if args.draft_int8 is None
-                     else args.draft_int8)
+                     else args.draft_int8, draft_vocab=args.draft_vocab)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"build_engine: error: {exc}", file=sys.stderr)
         return 2

@@ -87,7 +87,8 @@ def write_tiny_checkpoint(path, model_type: str = "llama", seed: int = 0, **conf
                     eos_token_id=vocab["<|im_end|>"])
     settings.update(config_overrides)
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[model_type]
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[model_type]
     torch.manual_seed(seed)
     model = model_class(config_class(**settings))
     with torch.no_grad():

@@ -11,7 +11,7 @@ import torch
 
 from clover.backends.torch import TorchEngine
 from clover.decode import GenerationRequest, SpeculativeDecoder
-from clover.engine_contract import DraftResult, TargetResult
+from clover.engine_contract import DraftPrefillResult, DraftResult, TargetResult
 
 
 class OracleEngine:
@@ -67,6 +67,36 @@ class OracleEngine:
         next_hidden = hidden.clone()
         next_hidden[:, 1] += 1
         return DraftResult(next_hidden, logprobs, ids)
+
+
+class Clover2OracleEngine(OracleEngine):
+    """:class:`OracleEngine` with contract v2's ``draft_prefill`` (method ``clover2``).
+
+    ``draft_prefill`` passes the target's (sequence, position) h0 through as each position's state and
+    writes the token that follows each position into its one-layer draft cache (``[..., 0]`` of the key).
+    On every call it checks the draft cache it is given: a row's ``past`` committed positions must hold
+    exactly the tokens 1..past of its sequence, and the first new position must be ``past`` followed by
+    the sequence's next token. So a draft commit or a compaction that loses, repeats or misplaces a
+    position fails the decode that uses the oracle, not only a later comparison.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.spec = dataclasses.replace(self.spec, drafter_method="clover2", num_draft_kv_layers=1)
+        self.draft_prefill_calls = 0
+
+    def draft_prefill(self, hidden, next_token, position_ids, past_lengths, packed_mask, k_cache,
+                      v_cache) -> DraftPrefillResult:
+        self.draft_prefill_calls += 1
+        for b in range(next_token.shape[0]):
+            seq, past = int(hidden[b, 0, 0]), int(past_lengths[b])
+            full = self.full[seq]
+            assert k_cache[0][b, 0, :past, 0].long().tolist() == full[1: past + 1], "draft cache rows out of step"
+            assert int(position_ids[b, 0]) == past and int(hidden[b, 0, 1]) == past
+            assert int(next_token[b, 0]) == full[past + 1]
+        shape = (*next_token.shape[:1], self.spec.num_kv_heads, next_token.shape[1], self.spec.head_dim)
+        present = next_token.to(torch.float32)[:, None, :, None].expand(shape).contiguous()
+        return DraftPrefillResult(hidden.clone(), [present], [present])
 
 
 def vanilla_greedy(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -62,6 +62,7 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
     assert [c["batch"] for c in costs] == [1, 2, 4]
     for c in costs:  # a tree pass never costs less than a vanilla pass (the model is monotone)
         assert c["verify_ms"] >= c["vanilla_ms"] > 0 and c["draft_ms"] > 0
+        assert c["draft_prefill_ms"] == 0  # Clover's engine has no draft_prefill (contract v1)
         assert c["break_even_tokens_per_step"] == pytest.approx((c["verify_ms"] + c["draft_ms"]) / c["vanilla_ms"])
     # every comparison is interleaved: each repeat of a sweep measures all of its configurations
     for sweep in ("batch", "hf"):

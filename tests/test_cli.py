@@ -56,6 +56,17 @@ def test_batch_generation_is_lossless_and_well_formed(tmp_path, tiny_checkpoint)
         assert summary["decode_seconds"] > 0 and summary["tokens_per_second"] > 0
 
 
+def test_clover2_generation_equals_vanilla(tmp_path, tiny_checkpoint):
+    """``--method clover2`` with saved Clover-2 heads and with untrained ones (what the demo target gets today)."""
+    vanilla, _ = _run_batch(tmp_path, tiny_checkpoint, "vanilla")
+    drafter_dir = tmp_path / "heads2"
+    save_drafter(make_drafter(load_target(tiny_checkpoint), method="clover2", num_heads=3), drafter_dir)
+    for drafter in (str(drafter_dir), "untrained"):
+        rows, summary = _run_batch(tmp_path, tiny_checkpoint, "clover2", "--drafter", drafter, "--tree-budget", "6")
+        assert [r["token_ids"] for r in rows] == [v["token_ids"] for v in vanilla]
+        assert summary["num_steps"] <= summary["new_tokens"] - 3
+
+
 def test_prompt_streams_text(tmp_path, tiny_checkpoint, capsys):
     rows, _ = _run_batch(tmp_path, tiny_checkpoint, "vanilla")
     capsys.readouterr()
@@ -138,6 +149,7 @@ def test_resolve_drafter_prefers_shipped_heads_on_the_demo_target(monkeypatch, t
         (tmp_path / method / "config.json").write_text("{}")
     assert demo.resolve_drafter(None, "demo") == str(tmp_path / "clover")
     assert demo.resolve_drafter(None, "demo", method="medusa") == str(tmp_path / "medusa")
+    assert demo.resolve_drafter(None, "demo", method="clover2") is None  # none shipped: not the Clover heads
     assert demo.resolve_drafter("demo-medusa", "/some/checkpoint") == str(tmp_path / "medusa")
     assert demo.resolve_drafter(None, "/some/checkpoint") is None
     assert demo.resolve_drafter("untrained", "demo") is None

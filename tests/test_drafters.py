@@ -1,3 +1,6 @@
+import dataclasses
+import types
+
 import pytest
 import torch
 
@@ -72,7 +75,8 @@ def test_query_and_key_receive_gradients():
     assert grads[1][0] > 0 and grads[1][1] > 0
 
 
-@pytest.mark.parametrize("method", ["clover", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment"])
+@pytest.mark.parametrize("method", ["clover", "clover2", "medusa", "clover-mlp-regressive", "clover-no-regressive",
+                                    "clover-no-augment"])
 def test_save_load_roundtrip(tmp_path, method):
     target = make_target()
     drafter = make_drafter(target, method=method)
@@ -127,3 +131,13 @@ def test_method_must_match_drafter_family():
         SpeculativeDecoder(TorchEngine(target, None), "medusa")
     out = SpeculativeDecoder(engine, "medusa").generate([GenerationRequest([1, 2, 3], max_new_tokens=4)])
     assert len(out[0].token_ids) <= 4
+    clover2 = TorchEngine(target, make_drafter(target, method="clover2"))
+    assert clover2.spec.default_method == "clover2" and clover2.spec.num_draft_kv_layers == 2
+    for engine, method in ((clover2, "clover"), (TorchEngine(target, make_drafter(target)), "clover2")):
+        with pytest.raises(ConfigError, match="does not match"):
+            SpeculativeDecoder(engine, method)
+    # an engine that claims Clover-2 heads but has no draft_prefill (contract v1) is refused up front
+    v1 = dataclasses.replace(clover2.spec, num_draft_kv_layers=0)
+    with pytest.raises(ConfigError, match="draft_prefill"):
+        SpeculativeDecoder(types.SimpleNamespace(spec=v1), "clover2")
+    assert SpeculativeDecoder(clover2, "vanilla").draft_cache is None  # vanilla on Clover-2 heads: no draft cache

@@ -9,13 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from clover.attention import causal_packed_mask
 from clover.backends.torch import TorchEngine
 from clover.config import TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from tests.conftest import make_drafter, make_target
-from tests.helpers import OracleEngine, hf_greedy, random_prompts, vanilla_greedy
+from tests.helpers import Clover2OracleEngine, OracleEngine, hf_greedy, random_prompts, vanilla_greedy
 
 MAX_NEW = 24
+ORACLES = {"clover": OracleEngine, "clover2": Clover2OracleEngine}  # oracle drafters by decoding method
 
 
 def _generate(engine, method, prompts, tree=None, batch_size=8, max_new=MAX_NEW):
@@ -50,6 +52,75 @@ def test_other_drafters_equal_vanilla(method):
     assert [r.token_ids for r in _generate(engine, family, prompts, TreeConfig(budget=6))] == expected
 
 
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("budget", [1, 4, 16])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_random_clover2_heads_equal_vanilla(seed, budget, batch):
+    """Clover-2 (engine contract v2: draft_prefill and its own draft cache), useless random heads."""
+    target = make_target(seed=seed)
+    engine = TorchEngine(target, make_drafter(target, method="clover2", num_heads=3, seed=seed + 10), max_seq_len=128)
+    prompts = random_prompts(seed, batch, target.config.vocab_size, 1, 24)
+    expected = hf_greedy(target, prompts, MAX_NEW)
+    assert vanilla_greedy(engine, prompts, MAX_NEW) == expected
+    results = _generate(engine, "clover2", prompts, TreeConfig(budget=budget))
+    assert [r.token_ids for r in results] == expected
+    assert all(r.stats.depth_tried for r in results)
+
+
+def _fresh_draft_prefill(engine, tokens: list[int], length: int):
+    """The draft cache and states of ``length`` positions of ``tokens`` run from scratch: one target pass
+    for h0, then one ``draft_prefill`` with the token after each position. Returns (state [L, H], keys,
+    values one [Hkv, L, D] per draft layer)."""
+    spec = engine.spec
+    empty = [torch.zeros(1, spec.num_kv_heads, 0, spec.head_dim) for _ in range(spec.num_kv_layers)]
+    positions, no_past = torch.arange(length)[None], torch.zeros(1, dtype=torch.int32)
+    mask = causal_packed_mask(1, length)
+    h0 = engine.target(torch.tensor([tokens[:length]]), positions, no_past, mask, empty, empty).h0
+    empty = empty[: spec.num_draft_kv_layers]
+    out = engine.draft_prefill(h0, torch.tensor([tokens[1: length + 1]]), positions, no_past, mask, empty, empty)
+    return out.state[0], [k[0] for k in out.present_keys], [v[0] for v in out.present_values]
+
+
+def _assert_draft_cache_fresh(decoder, engine, prompts_by_id) -> None:
+    """Each live row's draft cache (and root state) equals a from-scratch ``draft_prefill`` of its tokens."""
+    assert torch.equal(decoder.draft_cache.lengths, decoder.cache.lengths)
+    for row, seq in enumerate(decoder._running):
+        tokens = prompts_by_id[seq.seq_id] + seq.generated
+        length = int(decoder.cache.lengths[row])
+        assert length == len(tokens) - 1  # the root token follows the last cached position
+        state, keys, values = _fresh_draft_prefill(engine, tokens, length)
+        for layer in range(engine.spec.num_draft_kv_layers):
+            torch.testing.assert_close(decoder.draft_cache.keys[layer][row, :, :length], keys[layer], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(decoder.draft_cache.values[layer][row, :, :length], values[layer],
+                                       rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(seq.root_hidden, state[length - 1], rtol=1e-4, atol=1e-5)
+
+
+def test_clover2_draft_cache_equals_fresh_draft_prefill_after_acceptance_and_compaction():
+    target = make_target(seed=13)
+    engine = TorchEngine(target, make_drafter(target, method="clover2", num_heads=3, seed=3), max_seq_len=128)
+    prompts = random_prompts(13, 3, target.config.vocab_size, 2, 12)
+    decoder = SpeculativeDecoder(engine, "clover2", TreeConfig(budget=16))
+    ids = [decoder.submit(GenerationRequest(p, max_new_tokens=n, stop_token_ids=()))
+           for p, n in zip(prompts, [40, 8, 40])]
+    prompts_by_id = dict(zip(ids, prompts))
+    for _ in range(3):
+        decoder.step()
+    assert decoder.num_running == 3
+    _assert_draft_cache_fresh(decoder, engine, prompts_by_id)
+    while ids[1] in [s.seq_id for s in decoder._running]:  # the short request leaves: its row is compacted away
+        decoder.step()
+    for _ in range(3):
+        decoder.step()
+    assert decoder.num_running == 2
+    _assert_draft_cache_fresh(decoder, engine, prompts_by_id)
+    accepted = [n for seq in decoder._running for n in seq.stats.accepted_per_step]
+    assert max(accepted) >= 1, "no step accepted a draft token: the multi-position draft_prefill was not exercised"
+    expected = hf_greedy(target, prompts, 40)
+    for seq in decoder._running:
+        assert seq.generated == expected[ids.index(seq.seq_id)][: len(seq.generated)]
+
+
 def test_static_tree_equals_vanilla():
     target = make_target(seed=6)
     engine = TorchEngine(target, make_drafter(target, method="medusa", num_heads=3), max_seq_len=128)
@@ -62,14 +133,15 @@ def test_static_tree_equals_vanilla():
 
 @pytest.mark.parametrize("num_heads", [1, 3, 5])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_oracle_drafter_accepts_everything(num_heads, batch):
+@pytest.mark.parametrize("method", ["clover", "clover2"])
+def test_oracle_drafter_accepts_everything(num_heads, batch, method):
     target = make_target(seed=7)
     inner = TorchEngine(target, None, max_seq_len=128)
     prompts = random_prompts(7 + batch, batch, target.config.vocab_size, 3, 12)
     expected = hf_greedy(target, prompts, MAX_NEW)
     assert vanilla_greedy(inner, prompts, MAX_NEW) == expected
-    oracle = OracleEngine(inner, prompts, expected, num_heads=num_heads)
-    results = _generate(oracle, "clover", prompts, TreeConfig(budget=num_heads + 2))
+    oracle = ORACLES[method](inner, prompts, expected, num_heads=num_heads)
+    results = _generate(oracle, method, prompts, TreeConfig(budget=num_heads + 2))
     assert [r.token_ids for r in results] == expected
     for r in results:
         # every step but the last accepts all K draft tokens: K+1 tokens per step
@@ -77,13 +149,14 @@ def test_oracle_drafter_accepts_everything(num_heads, batch):
         assert r.stats.num_steps == -(-(MAX_NEW - 1) // (num_heads + 1))
 
 
-def test_batched_equals_solo_with_mixed_lengths_and_joins():
+@pytest.mark.parametrize("method", ["clover", "clover2"])
+def test_batched_equals_solo_with_mixed_lengths_and_joins(method):
     """A small max batch forces requests to join while others run and to leave as they finish."""
     target = make_target(seed=8)
-    engine = TorchEngine(target, make_drafter(target, num_heads=3), max_seq_len=128)
+    engine = TorchEngine(target, make_drafter(target, method=method, num_heads=3), max_seq_len=128)
     prompts = random_prompts(8, 7, target.config.vocab_size, 1, 30)
     lengths = [5, 30, 12, 1, 20, 8, 17]
-    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4), max_batch_size=3)
+    decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=4), max_batch_size=3)
     results = decoder.generate([GenerationRequest(p, max_new_tokens=n, stop_token_ids=())
                                 for p, n in zip(prompts, lengths)])
     for prompt, n, r in zip(prompts, lengths, results):
@@ -137,12 +210,13 @@ def test_kv_cache_equals_vanilla_cache_after_acceptance():
                                                rtol=1e-5, atol=1e-5)
 
 
-def test_cancel_leaves_batch_and_others_unchanged():
+@pytest.mark.parametrize("method", ["clover", "clover2"])
+def test_cancel_leaves_batch_and_others_unchanged(method):
     target = make_target(seed=11)
-    engine = TorchEngine(target, make_drafter(target, num_heads=2), max_seq_len=128)
+    engine = TorchEngine(target, make_drafter(target, method=method, num_heads=2), max_seq_len=128)
     prompts = random_prompts(11, 3, target.config.vocab_size, 2, 10)
     expected = hf_greedy(target, prompts, 20)
-    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4))
+    decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=4))
     ids = [decoder.submit(GenerationRequest(p, max_new_tokens=20, stop_token_ids=())) for p in prompts]
     tokens = {i: [] for i in ids}
     finished = {}

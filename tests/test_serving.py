@@ -40,11 +40,19 @@ def install():
 
 
 @pytest.fixture(scope="module")
-def server(install, tiny_engine_dir, tmp_path_factory):
+def clover2_engine_path(tmp_path_factory):
+    """Where test_clover2_engine_serves_greedy_output builds its engine before it loads model ``clover2``
+    (explicit model control: the other tests never pay for it)."""
+    return tmp_path_factory.mktemp("clover2") / "engine"
+
+
+@pytest.fixture(scope="module")
+def server(install, tiny_engine_dir, clover2_engine_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("triton")
     repo = write_repository(root / "repo", {
         "clover": {"engine_dir": str(tiny_engine_dir), "threads": "1", "max_batch": "16"},
         "clover_bad": {"engine_dir": str(root / "no-such-engine")},
+        "clover2": {"engine_dir": str(clover2_engine_path), "threads": "1", "max_batch": "4"},
     })
     server = TritonServer(repo, 0, 0, 0, host="127.0.0.1", log_file=root / "tritonserver.log", install=install,
                           extra_args=("--model-control-mode=explicit", "--load-model=clover"))
@@ -255,6 +263,48 @@ def test_bad_engine_dir_fails_the_model_load_with_a_clear_message(server, tmp_pa
     finally:
         client.close()
     assert "build it with python export/build_engine.py" in server.log_tail(20000)
+
+
+def test_clover2_engine_serves_greedy_output(server, reference, tiny_engine_dir, clover2_engine_path):
+    """A Clover-2 engine (engine contract v2: draft_prefill and the drafter's own KV cache) on the same target,
+    served by the same model code: concurrent streams and single responses equal the greedy reference."""
+    import tritonclient.grpc as grpcclient
+
+    from clover.drafters import save_drafter
+    from clover.export.builder import build_engine
+    from clover.target import load_target
+    from tests.conftest import make_drafter
+
+    checkpoint = tiny_engine_dir.parent / "checkpoint"  # serving_support.build_tiny_engine's layout
+    heads = clover2_engine_path.parent / "heads"
+    save_drafter(make_drafter(load_target(checkpoint), method="clover2"), heads)
+    build_engine(clover2_engine_path, str(checkpoint), str(heads), max_seq=256, max_batch=4,
+                 progress=lambda message: None)
+    admin = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        admin.load_model("clover2", headers=server.grpc_admin_headers)
+        cases = [(PROMPTS[2], 30), (PROMPTS[1], 12), (PROMPTS[8], 40)]
+        results: dict[int, object] = {}
+
+        def run(i):
+            with GrpcClient(server.grpc_url, model="clover2") as client:
+                prompt, length = cases[i]
+                results[i] = collect(client.stream(prompt, length)) if i % 2 == 0 else client.generate(prompt, length)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i, (prompt, length) in enumerate(cases):
+            expected = reference(prompt, length)
+            assert results[i].token_ids == expected.token_ids and results[i].text == expected.text, prompt
+            assert results[i].finish_reason == expected.finish_reason
+        assert sum(r.perf["total_draft_tokens"] for r in results.values()) > 0  # it did speculate
+    finally:
+        admin.unload_model("clover2", headers=server.grpc_admin_headers)
+        admin.close()
+    assert "with clover2 decoding" in server.log_tail(20000)
 
 
 def test_load_generator_reports_percentiles(server):

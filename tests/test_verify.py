@@ -72,16 +72,18 @@ def _exact_two_token_distribution(target, prompt, sampling):
     return joint
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)])
-def test_speculative_sampling_matches_target_distribution(sampling):
+@pytest.mark.parametrize("method, sampling", [("clover", SamplingConfig(temperature=1.0)),
+                                              ("clover", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)),
+                                              ("clover2", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9))])
+def test_speculative_sampling_matches_target_distribution(method, sampling):
     target = make_target(seed=3, vocab_size=6)
     with torch.no_grad():  # flatter logits so that rejections and residual sampling both happen
         target.lm_head.weight.mul_(0.3)
-    drafter = make_drafter(target, num_heads=2, seed=4)
+    drafter = make_drafter(target, method=method, num_heads=2, seed=4)
     engine = TorchEngine(target, drafter, draft_top_k=4)
     prompt = [1, 2, 3]
     expected = _exact_two_token_distribution(target, prompt, sampling).flatten()
-    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4, top_k=4, prune_ratio=0), max_batch_size=500)
+    decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=4, top_k=4, prune_ratio=0), max_batch_size=500)
     runs = 3000
     results = decoder.generate([GenerationRequest(prompt, max_new_tokens=2, sampling=sampling, stop_token_ids=(),
                                                   seed=1000 + i) for i in range(runs)])

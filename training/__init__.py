@@ -5,7 +5,9 @@ Stages, one command each (see ``training/README.md``)::
     data.py          offline prompt set in task categories, train/eval split
     distill.py       the target answers every prompt (self-distillation), resumable
     hidden_cache.py  one frozen-target pass -> memory-mapped fp16 hidden states
-    train.py         heads training with checkpoints and exact resume
+    train.py         heads training with checkpoints and exact resume; torchrun for several processes
+                     (distributed.py), the target on the fly with --features online (features.py)
+    cost_probe.py    per-token time and memory of a training step (docs/train-your-own.md)
     evaluate.py      teacher-forced per-head accuracy + accepted tokens per step
 
 The scripts run as ``python training/<stage>.py`` from the repository root, or

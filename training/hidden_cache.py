@@ -379,6 +379,11 @@ class HiddenCache(_ConversationSource):
         sl = slice(it["offset"], it["offset"] + it["length"])
         return {name: array[sl] for name, array in self.arrays.items()}
 
+    def tokens(self, i: int) -> dict[str, np.ndarray]:
+        """``tokens`` and ``assistant_mask`` of conversation ``i`` only (``train.py --features online``)."""
+        conv = self.conversation(i)
+        return {"tokens": conv["tokens"], "assistant_mask": conv["assistant_mask"]}
+
 
 
 class LiveFeatures(_ConversationSource):
@@ -397,16 +402,21 @@ class LiveFeatures(_ConversationSource):
         self.index = {"num_tokens": sum(c["length"] for c in self.conversations), "hidden_size": target.config.hidden_size,
                       "target_fingerprint": target_fingerprint(target), "source": source, "backend": "live"}
 
+    def tokens(self, i: int) -> dict[str, np.ndarray]:
+        """``tokens`` and ``assistant_mask`` of conversation ``i``, with no target pass."""
+        ids, num_prompt = conversation_tokens(self.records[self.conversations[i]["id"]], self.max_len)
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        mask[num_prompt:] = 1
+        return {"tokens": np.asarray(ids, dtype=np.int32), "assistant_mask": mask}
+
     def conversation(self, i: int) -> dict[str, np.ndarray]:
         import torch
 
-        ids, num_prompt = conversation_tokens(self.records[self.conversations[i]["id"]], self.max_len)
+        conv = self.tokens(i)
         with torch.inference_mode():
-            last_input, last_hidden = target_hidden_states(self.target, torch.tensor([ids]))
-        mask = np.zeros(len(ids), dtype=np.uint8)
-        mask[num_prompt:] = 1
+            last_input, last_hidden = target_hidden_states(self.target, torch.from_numpy(conv["tokens"]).long()[None])
         return {"last_layer_input": last_input[0].float().numpy(), "last_hidden": last_hidden[0].float().numpy(),
-                "tokens": np.asarray(ids, dtype=np.int32), "assistant_mask": mask}
+                **conv}
 
 
 class ConcatCache(_ConversationSource):
@@ -424,6 +434,10 @@ class ConcatCache(_ConversationSource):
     def conversation(self, i: int) -> dict[str, np.ndarray]:
         k, j = self._where[i]
         return self.parts[k].conversation(j)
+
+    def tokens(self, i: int) -> dict[str, np.ndarray]:
+        k, j = self._where[i]
+        return self.parts[k].tokens(j)
 
     def check_target(self, target) -> None:
         for part in self.parts:

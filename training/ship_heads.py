@@ -23,6 +23,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from clover.drafters import DRAFT_VOCAB_FILE  # noqa: E402
 from training.data import CATEGORY_TITLES  # noqa: E402
 from training.evaluate import markdown as eval_markdown  # noqa: E402
 
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp.mkdir(parents=True)
     for name in SHIPPED_FILES:
         shutil.copy2(args.run / name, tmp / name)
+    if (args.run / DRAFT_VOCAB_FILE).exists():  # config.json's draft_vocab_size needs it (docs/drafter.md)
+        shutil.copy2(args.run / DRAFT_VOCAB_FILE, tmp / DRAFT_VOCAB_FILE)
     (tmp / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (tmp / "README.md").write_text(model_card(args.name, summary, data, report, commands))
     shutil.rmtree(args.output, ignore_errors=True)

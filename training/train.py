@@ -41,6 +41,14 @@ is written atomically every ``--save-every`` steps; rerunning the same command
 resumes and ends with the same weights as an uninterrupted run. The final heads
 are saved with :func:`clover.drafters.save_drafter` (fp16) next to
 ``training_summary.json``.
+
+``--features online`` runs the frozen target inside the training step instead of
+reading a cache (:mod:`training.features`): the same hidden states, loss and data
+order, no disk. Under ``torchrun --nproc_per_node N`` each process takes its share
+of every batch and the gradients are summed over processes
+(:mod:`training.distributed`); ``--grad-accum K`` splits each process's share into
+K micro-batches. The weights after a step do not depend on N or K (to float
+rounding), so a run may resume with another N.
 """
 
 from __future__ import annotations
@@ -66,6 +74,9 @@ if __package__ in (None, ""):
 from clover.attention import causal_packed_mask  # noqa: E402
 from clover.config import DRAFTER_METHODS, ConfigError, DrafterConfig  # noqa: E402
 from clover.drafters import Drafter, save_drafter  # noqa: E402
+from training.distributed import Distributed  # noqa: E402
+from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,  # noqa: E402
+                               online_target_dtype, peak_memory_mb, stored_dtype)
 from training.hidden_cache import HiddenCache, open_training_data  # noqa: E402
 
 STATE_FILE, RUN_CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "train_state.pt", "run_config.json", "train_log.jsonl", \
@@ -109,10 +120,15 @@ class TrainConfig:
     eval_cache: str | None = None         # held-out cache for the learning curve (eval_log.jsonl)
     eval_every: int = 0                   # steps between curve points; 0: none
     eval_conversations: int = 200         # held-out conversations per curve point
+    features: str = "cache"               # "online": the target runs inside the step (training/features.py)
+    target_dtype: str = "auto"            # online: auto = fp32 on CPU, the checkpoint's bf16/fp16 on GPU
+    grad_accum: int = 1                   # micro-batches per process per step (same weights, less memory)
+    grad_checkpoint: bool = False         # recompute the Augmenting Block in the backward pass
 
-    # fields that may differ between a run and its resumption
+    # fields that may differ between a run and its resumption (none changes the weights beyond float rounding)
     RESUME_FREE = ("save_every", "log_every", "device", "threads", "progress", "output", "cache", "target",
-                   "eval_cache", "eval_every", "eval_conversations")
+                   "eval_cache", "eval_every", "eval_conversations", "features", "target_dtype", "grad_accum",
+                   "grad_checkpoint")
 
     @property
     def needs_target_hidden(self) -> bool:
@@ -180,7 +196,9 @@ def make_plan(conversations: list[dict], batch_tokens: int, epochs: int, seed: i
 
 def collate(cache: HiddenCache, indices: list[int], need_input: bool, need_last: bool,
             device: torch.device | str = "cpu") -> Batch:
-    convs = [cache.conversation(i) for i in indices]
+    """Pad conversations ``indices`` into a :class:`Batch`; with neither hidden state needed, only their tokens
+    are read (``--features online`` then fills them: :func:`training.features.online_hidden_states`)."""
+    convs = [cache.conversation(i) if need_input or need_last else cache.tokens(i) for i in indices]
     lengths = torch.tensor([len(c["tokens"]) for c in convs])
     batch, width, hidden = len(convs), int(lengths.max()), cache.hidden_size
     tokens = torch.zeros(batch, width, dtype=torch.long)
@@ -192,9 +210,9 @@ def collate(cache: HiddenCache, indices: list[int], need_input: bool, need_last:
         tokens[row, :n] = torch.from_numpy(c["tokens"].astype(np.int64))
         assistant[row, :n] = torch.from_numpy(c["assistant_mask"].astype(bool))
         if need_input:
-            x_in[row, :n] = torch.from_numpy(np.asarray(c["last_layer_input"], dtype=np.float32))
+            x_in[row, :n] = torch.from_numpy(np.array(c["last_layer_input"], dtype=np.float32))  # a writable copy
         if need_last:
-            x_last[row, :n] = torch.from_numpy(np.asarray(c["last_hidden"], dtype=np.float32))
+            x_last[row, :n] = torch.from_numpy(np.array(c["last_hidden"], dtype=np.float32))  # a writable copy
     move = (lambda t: t.to(device) if t is not None else None)
     return Batch(move(x_in), move(x_last), tokens.to(device), assistant.to(device), lengths.to(device),
                  [cache.conversations[i].get("category", "") for i in indices])
@@ -205,7 +223,14 @@ def collate(cache: HiddenCache, indices: list[int], need_input: bool, need_last:
 
 
 def compute_h0(drafter: Drafter, target, batch: Batch) -> torch.Tensor:
-    """h0 ``[B, T, H]``: the Augmenting Block over the whole (causal) sequence, else the last hidden state."""
+    """h0 ``[B, T, H]``: the Augmenting Block over the whole (causal) sequence, else the last hidden state.
+
+    Clover-2's block runs in ``draft_prefill`` at inference, on the last hidden state and the token after
+    each position: here the same call over the whole sequence (a padded last position reads token 0; it
+    is never a root, see :func:`find_roots`).
+    """
+    if drafter.has_draft_prefill:
+        return _clover2_states(drafter, target, batch)
     if drafter.augment is None:
         return batch.x_last
     x = batch.x_in
@@ -217,6 +242,19 @@ def compute_h0(drafter: Drafter, target, batch: Batch) -> torch.Tensor:
     h0, _, _ = drafter.augment(x, cos.to(x.dtype), sin.to(x.dtype), torch.zeros(bsz, dtype=torch.int32, device=x.device),
                                causal_packed_mask(bsz, length, x.device), empty, empty)
     return h0
+
+
+def _clover2_states(drafter, target, batch: Batch) -> torch.Tensor:
+    x = batch.x_last
+    bsz, length, _ = x.shape
+    cfg = target.config
+    next_token = torch.cat([batch.tokens[:, 1:], torch.zeros_like(batch.tokens[:, :1])], dim=1)
+    position_ids = torch.arange(length, device=x.device).expand(bsz, -1)
+    empty = [torch.zeros(bsz, cfg.num_kv_heads, 0, cfg.head_dim, dtype=x.dtype, device=x.device)] * drafter.num_kv_layers
+    state, _, _ = drafter.prefill(x, next_token, position_ids, torch.zeros(bsz, dtype=torch.int32, device=x.device),
+                                  causal_packed_mask(bsz, length, x.device), empty, empty,
+                                  target.lm_head.weight.to(device=x.device, dtype=x.dtype))
+    return state
 
 
 @dataclasses.dataclass
@@ -460,25 +498,46 @@ class _Progress:
 class _Trainer:
     """The drafter, its optimizer and the frozen pieces that one training step needs."""
 
-    def __init__(self, cfg: TrainConfig, target, device: torch.device) -> None:
-        self.cfg, self.target, self.device = cfg, target, device
+    def __init__(self, cfg: TrainConfig, target, device: torch.device, dist: Distributed | None = None) -> None:
+        self.cfg, self.target, self.device, self.dist = cfg, target, device, dist or Distributed()
         self.drafter = build_drafter(cfg, target).to(device)
         self.drafter.train()
+        if cfg.grad_checkpoint:
+            enable_gradient_checkpointing(self.drafter)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay)
         self.lm_head_weight = target.lm_head.weight.detach().float().to(device)  # [V, H], frozen
         self.weights = head_weights(cfg.num_heads, cfg.head_decay)
 
-    def step(self, batch: Batch, lr: float) -> tuple[dict, float]:
-        """One optimizer step at learning rate ``lr``; returns :func:`run_batch`'s stats and the gradient norm."""
+    def step(self, batches: list[Batch], lr: float, prepare=None) -> tuple[dict, float]:
+        """One optimizer step at learning rate ``lr`` over this process's micro-batches of one plan batch.
+
+        run_batch divides head i's loss by its label count; each micro-batch's head-i weight is scaled by
+        its share of the head-i labels of the whole batch on every process, so the summed gradient is the
+        one of a single process on the whole batch (training/distributed.py). ``prepare(batch)`` fills a
+        micro-batch's hidden states just before it runs (online features). Returns the whole batch's
+        loss, label counts and top-1 hits per head, and the gradient norm.
+        """
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bf16"):
-            stats = run_batch(self.drafter, self.target, self.lm_head_weight, batch, row_chunk=self.cfg.row_chunk,
-                              weights=self.weights, train=True, labels=self.cfg.labels,
-                              regression_weight=self.cfg.regression_weight)
+        k = self.cfg.num_heads
+        local = [find_roots(batch, k).valid.sum(0).tolist() for batch in batches]  # [micro][head]
+        total = self.dist.sum(torch.tensor([sum(c[i] for c in local) for i in range(k)], dtype=torch.float64,
+                                           device=self.device)).tolist()
+        summed = torch.zeros(1 + 2 * k, dtype=torch.float64)
+        for batch, counts in zip(batches, local):
+            shares = [w * (c / t) if t else 0.0 for w, c, t in zip(self.weights, counts, total)]
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bf16"):
+                part = run_batch(self.drafter, self.target, self.lm_head_weight, prepare(batch) if prepare else batch,
+                                 row_chunk=self.cfg.row_chunk, weights=shares, train=True, labels=self.cfg.labels,
+                                 regression_weight=self.cfg.regression_weight)
+            summed += torch.tensor([part["loss"], *part["count"], *part["hits"][1]], dtype=torch.float64)
+        summed = self.dist.sum(summed.to(self.device)).cpu()
+        self.dist.sum_gradients(self.params)
+        stats = {"loss": float(summed[0]), "count": [int(x) for x in summed[1: 1 + k]],
+                 "hits": {1: [int(x) for x in summed[1 + k:]]}}
         grad_norm = float("nan")  # not measured without clipping
         if self.cfg.grad_clip:
             grad_norm = float(nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
@@ -504,39 +563,85 @@ class _Trainer:
 
 
 def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
-    """Run (or resume) training; returns the summary dict. ``on_step(step)`` runs after each step."""
+    """Run (or resume) training; returns the summary dict. ``on_step(step)`` runs after each step.
+
+    Under torchrun (``WORLD_SIZE`` > 1), or in a process group the caller made, this is one rank of a
+    data-parallel job (:mod:`training.distributed`); rank 0 writes every file. With ``--features
+    online`` a given ``target`` is moved to the device and dtype online features run in.
+    """
+    _check_config(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    device = pick_device(cfg.device)
+    dist = Distributed.from_env(device.type)
+    try:
+        return _train_rank(cfg, target, on_step, out, dist, dist.device(device))
+    finally:
+        dist.close()
+
+
+def _check_config(cfg: TrainConfig) -> None:
     if cfg.method not in DRAFTER_METHODS:
         raise ConfigError(f"unknown method {cfg.method!r}; choose one of {', '.join(DRAFTER_METHODS)}")
     if cfg.autocast not in (None, "bf16"):
         raise ConfigError(f"autocast {cfg.autocast!r}: use bf16 or leave it unset")
     if cfg.labels not in LABELS:
         raise ConfigError(f"labels {cfg.labels!r}: use one of {', '.join(LABELS)}")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
+    if cfg.features not in FEATURE_SOURCES:
+        raise ConfigError(f"features {cfg.features!r}: use one of {', '.join(FEATURE_SOURCES)}")
+    if cfg.grad_accum < 1:
+        raise ConfigError("--grad-accum must be at least 1")
+
+
+def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed, device: torch.device) -> dict:
+    online = cfg.features == "online"
     if target is None:
         from clover.demo import resolve_target
         from clover.target import load_target
 
-        target = load_target(resolve_target(cfg.target))
+        directory = resolve_target(cfg.target)
+        target = load_target(directory, dtype=online_target_dtype(cfg.target_dtype, device, stored_dtype(directory))
+                             if online else torch.float32)
     cache = open_training_data(cfg.cache, target)
     cache.check_target(target)
-    device = pick_device(cfg.device)
-    finished = _claim_output(cfg, out)
+    if online:  # the frozen target runs in the step: on this rank's device (a no-op for a target loaded above)
+        dtype = online_target_dtype(cfg.target_dtype, device, target.lm_head.weight.dtype)
+        target = target.to(device=device, dtype=dtype)
+    else:  # the rest stays on the CPU; soft labels and the regression target read the final norm on the device
+        target.norm.to(device)
+    finished = _claim_output_on_main(cfg, out, dist)
     if finished is not None:
         return finished
 
     plan = make_plan(cache.conversations, cfg.batch_tokens, cfg.epochs, cfg.seed, cfg.bucket_size, cfg.max_tokens)
-    trainer = _Trainer(cfg, target, device)
+    trainer = _Trainer(cfg, target, device, dist)
     progress = trainer.load_state(out / STATE_FILE)
-    _drop_log_lines_after(out / LOG_FILE, progress.step)
-    _drop_log_lines_after(out / EVAL_LOG_FILE, progress.step)
+    if dist.is_main:
+        _drop_log_lines_after(out / LOG_FILE, progress.step)
+        _drop_log_lines_after(out / EVAL_LOG_FILE, progress.step)
     _run_steps(trainer, cache, plan, progress, out, on_step)
-    save_drafter(trainer.drafter.cpu().eval(), out, dtype=torch.float16)
-    summary = _summary(cfg, cache, plan, progress, device, out / LOG_FILE)
-    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    summary = None
+    if dist.is_main:
+        save_drafter(trainer.drafter.cpu().eval(), out, dtype=torch.float16)
+        summary = _summary(cfg, cache, plan, progress, device, out / LOG_FILE, dist.world_size)
+        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return dist.broadcast(summary)
+
+
+def _claim_output_on_main(cfg: TrainConfig, out: Path, dist: Distributed) -> dict | None:
+    """:func:`_claim_output` on rank 0; every rank gets its result, or raises its ConfigError."""
+    claim = None
+    if dist.is_main:
+        try:
+            claim = ("ok", _claim_output(cfg, out))
+        except ConfigError as exc:
+            claim = ("error", str(exc))
+    kind, value = dist.broadcast(claim)
+    if kind == "error":
+        raise ConfigError(value)
+    return value
 
 
 def _claim_output(cfg: TrainConfig, out: Path) -> dict | None:
@@ -570,40 +675,72 @@ def _drop_log_lines_after(log_path: Path, step: int) -> None:
 
 def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], progress: _Progress, out: Path,
                on_step) -> None:
-    """Train from ``progress.step`` to the end of ``plan``: log, checkpoint and show progress as configured."""
+    """Train from ``progress.step`` to the end of ``plan``: log, checkpoint and show progress as configured.
+
+    Every rank runs every step on its share of the batch; only rank 0 writes (log, checkpoint, curve).
+    """
     from tqdm import tqdm
 
-    cfg, total_steps = trainer.cfg, len(plan)
+    cfg, total_steps, main = trainer.cfg, len(plan), trainer.dist.is_main
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(100, round(0.03 * total_steps)))
-    need_input = trainer.drafter.augment is not None  # the Augmenting Block runs on the last layer's input
-    need_last = not need_input or cfg.needs_target_hidden
+    feeder = _Feeder(cfg, cache, trainer)
     curve = _LearningCurve(cfg, trainer, out)
     window: list[dict] = []  # the last 20 steps, for the progress bar
-    bar = tqdm(total=total_steps, initial=progress.step, unit="step", disable=not cfg.progress, dynamic_ncols=True,
-               desc=cfg.method)
-    t0 = time.monotonic()
-    with open(out / LOG_FILE, "a") as log:
-        while progress.step < total_steps:
-            batch = collate(cache, plan[progress.step], need_input, need_last, trainer.device)
-            lr = lr_at(progress.step, total_steps, cfg.lr, warmup, cfg.min_lr_ratio)
-            stats, grad_norm = trainer.step(batch, lr)
-            progress.step += 1
-            progress.tokens_seen += int(sum(assistant_tokens(cache.conversations[i]) for i in plan[progress.step - 1]))
-            top1 = [h / c if c else 0.0 for h, c in zip(stats["hits"][1], stats["count"])]
-            window = (window + [{"loss": stats["loss"], "top1": top1}])[-20:]
-            _show_progress(bar, window, cfg.num_heads, progress.tokens_seen)
-            step, elapsed = progress.step, progress.elapsed + (time.monotonic() - t0)
-            if step % cfg.log_every == 0 or step == total_steps:
-                log.write(json.dumps({"step": step, "tokens": progress.tokens_seen, "lr": lr, "loss": stats["loss"],
-                                      "top1": top1, "grad_norm": grad_norm, "elapsed_s": round(elapsed, 2)}) + "\n")
-                log.flush()
-            if step % cfg.save_every == 0 or step == total_steps:
-                trainer.save_state(out / STATE_FILE, progress, progress.elapsed + (time.monotonic() - t0))
-            curve.maybe_measure(step, total_steps, progress.tokens_seen)
-            if on_step is not None:
-                on_step(step)
+    bar = tqdm(total=total_steps, initial=progress.step, unit="step", disable=not (cfg.progress and main),
+               dynamic_ncols=True, desc=cfg.method)
+    t0, memory = time.monotonic(), 0.0  # memory: peak MB since the last log line
+    while progress.step < total_steps:
+        lr = lr_at(progress.step, total_steps, cfg.lr, warmup, cfg.min_lr_ratio)
+        stats, grad_norm = trainer.step(feeder.micro_batches(plan[progress.step]), lr, feeder.prepare)
+        memory = max(memory, peak_memory_mb(trainer.device))
+        progress.step += 1
+        progress.tokens_seen += int(sum(assistant_tokens(cache.conversations[i]) for i in plan[progress.step - 1]))
+        top1 = [h / c if c else 0.0 for h, c in zip(stats["hits"][1], stats["count"])]
+        window = (window + [{"loss": stats["loss"], "top1": top1}])[-20:]
+        _show_progress(bar, window, cfg.num_heads, progress.tokens_seen)
+        step, elapsed = progress.step, progress.elapsed + (time.monotonic() - t0)
+        if step % cfg.log_every == 0 or step == total_steps:
+            memory = trainer.dist.max(memory, trainer.device)  # the largest rank's
+            if main:
+                _append_json_line(out / LOG_FILE, {"step": step, "tokens": progress.tokens_seen, "lr": lr,
+                                                   "loss": stats["loss"], "top1": top1, "grad_norm": grad_norm,
+                                                   "max_memory_mb": memory, "elapsed_s": round(elapsed, 2)})
+            memory = 0.0
+        if main and (step % cfg.save_every == 0 or step == total_steps):
+            trainer.save_state(out / STATE_FILE, progress, progress.elapsed + (time.monotonic() - t0))
+        curve.maybe_measure(step, total_steps, progress.tokens_seen)
+        if on_step is not None:
+            on_step(step)
     bar.close()
     progress.elapsed += time.monotonic() - t0
+
+
+def _append_json_line(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class _Feeder:
+    """This process's micro-batches of one plan batch (:meth:`Distributed.micro_batches`), with the hidden
+    states the drafter needs: read from the cache by :func:`collate`, or computed by the target in
+    :meth:`prepare` just before the micro-batch runs (``--features online``)."""
+
+    def __init__(self, cfg: TrainConfig, cache: HiddenCache, trainer: _Trainer) -> None:
+        self.cfg, self.cache, self.trainer = cfg, cache, trainer
+        self.need_input = trainer.drafter.augment is not None  # the Augmenting Block runs on the last layer's input
+        self.need_last = not self.need_input or cfg.needs_target_hidden
+        self.online = cfg.features == "online"
+
+    def micro_batches(self, indices: list[int]) -> list[Batch]:
+        read = not self.online
+        return [collate(self.cache, share, self.need_input and read, self.need_last and read, self.trainer.device)
+                for share in self.trainer.dist.micro_batches(indices, self.cfg.grad_accum) if share]
+
+    def prepare(self, batch: Batch) -> Batch:
+        if not self.online:
+            return batch
+        x_in, x_last = online_hidden_states(self.trainer.target, batch.tokens, self.need_input, self.need_last)
+        return dataclasses.replace(batch, x_in=x_in, x_last=x_last)
 
 
 class _LearningCurve:
@@ -615,7 +752,8 @@ class _LearningCurve:
 
     def __init__(self, cfg: TrainConfig, trainer: "_Trainer", out: Path) -> None:
         self.cfg, self.trainer, self.path = cfg, trainer, out / EVAL_LOG_FILE
-        self.cache = HiddenCache(cfg.eval_cache) if cfg.eval_cache and cfg.eval_every > 0 else None
+        wanted = cfg.eval_cache and cfg.eval_every > 0 and trainer.dist.is_main
+        self.cache = HiddenCache(cfg.eval_cache) if wanted else None
 
     def maybe_measure(self, step: int, total_steps: int, tokens: int) -> None:
         if self.cache is None or not (step % self.cfg.eval_every == 0 or step == total_steps):
@@ -640,9 +778,10 @@ def _show_progress(bar, window: list[dict], num_heads: int, tokens_seen: int) ->
 
 
 def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progress: _Progress, device: torch.device,
-             log_path: Path) -> dict:
+             log_path: Path, world_size: int = 1) -> dict:
     """``training_summary.json`` of a completed run; final loss and top-1 are means over its last 10 log lines."""
-    recent = [json.loads(line) for line in log_path.read_text().splitlines() if line][-10:]
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line]
+    recent = lines[-10:]
     return {
         "complete": True,
         "method": cfg.method,
@@ -654,6 +793,8 @@ def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progre
         "epochs": cfg.epochs,
         "wall_time_s": round(progress.elapsed, 1),
         "hardware": _hardware(device),
+        "processes": world_size,
+        "max_memory_mb": max((r.get("max_memory_mb", 0.0) for r in lines), default=None),  # of any rank
         "torch": torch.__version__,
         "final_loss": sum(r["loss"] for r in recent) / len(recent) if recent else None,
         "final_top1": [sum(r["top1"][i] for r in recent) / len(recent) for i in range(cfg.num_heads)] if recent else None,
@@ -686,7 +827,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--method", choices=DRAFTER_METHODS, required=True)
     parser.add_argument("--cache", required=True,
                         help="hidden-state cache directory (train split); several separated by commas; a distilled "
-                             ".jsonl computes the hidden states on the fly instead (no disk)")
+                             ".jsonl computes the hidden states on the fly instead (no disk); with --features online "
+                             "only its tokens are read")
     parser.add_argument("--output", required=True, help="run directory: checkpoints, then the final heads")
     parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo' (only its LM head and shape are used)")
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -706,6 +848,19 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--autocast", choices=("bf16",), default=None,
                         help="bf16 mixed precision (fp32 weights and loss, bf16 matmuls): several times faster "
                              "on GPUs and on CPUs with AMX or AVX512-BF16, slow on other CPUs")
+    parser.add_argument("--features", choices=FEATURE_SOURCES, default="cache",
+                        help="cache: read the target's hidden states from --cache; online: run the frozen target in "
+                             "each step on the batch's tokens (inference mode; bf16/fp16 on GPU, fp32 on CPU), the "
+                             "same loss and data order with no cache on disk (give --cache a distilled .jsonl)")
+    parser.add_argument("--target-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                        help="--features online: the target's dtype; auto: fp32 on CPU, on GPU the checkpoint's "
+                             "own bf16/fp16")
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-batches per process per step: each step is still one batch of --batch-tokens "
+                             "(the global batch, over all torchrun processes), in less memory")
+    parser.add_argument("--grad-checkpoint", action="store_true",
+                        help="recompute the Augmenting Block in the backward pass instead of storing its "
+                             "activations (less memory, one more block forward)")
     parser.add_argument("--no-progress", action="store_true")
     if known.config:
         defaults = json.loads(Path(known.config).read_text())
@@ -733,8 +888,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ninterrupted; rerun the same command to resume from the last checkpoint in {cfg.output}",
               file=sys.stderr)
         return 130
-    print(json.dumps({k: summary[k] for k in ("method", "steps", "assistant_tokens", "wall_time_s", "final_loss",
-                                              "final_top1")}))
+    if os.environ.get("RANK", "0") == "0":  # torchrun: one summary line, from rank 0
+        print(json.dumps({k: summary[k] for k in ("method", "steps", "assistant_tokens", "wall_time_s", "final_loss",
+                                                  "final_top1")}))
     return 0
 
 

@@ -3,17 +3,24 @@
 Inputs are handed to onnxruntime as numpy views of the torch tensors the
 decode loop owns (no copy); the KV cache stays in the decode loop's
 :class:`~clover.kv_cache.KVCache`, and only the new tokens' K/V come back.
+onnxruntime's outputs come back as numpy arrays over its own buffers, also
+without a copy. I/O binding (``InferenceSession.io_binding``) was measured
+and does not pay here: docs/results/host-overhead/README.md.
 """
 
 from __future__ import annotations
 
+import time
+import weakref
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from clover.config import ConfigError
-from clover.engine_contract import (DRAFT_OUTPUTS, TARGET_OUTPUTS, DraftResult, TargetResult, cache_input_names,
-                                    present_output_names)
+from clover.engine_contract import (DRAFT_OUTPUTS, DRAFT_PREFILL_OUTPUTS, TARGET_OUTPUTS, DraftPrefillResult,
+                                    DraftResult, TargetResult, cache_input_names, draft_cache_input_names,
+                                    draft_present_output_names, present_output_names)
 from clover.engine_dir import EngineMeta, engine_spec, read_engine_meta
 
 
@@ -33,8 +40,22 @@ def _session(path: Path, threads: int | None):
         raise ConfigError(f"{path}: onnxruntime cannot load this engine ({exc})") from exc
 
 
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
+
+
+class _Memory:
+    """A tensor's memory as a numpy array interface that does not keep the tensor alive (whoever uses it checks
+    first that the tensor is: OnnxRuntimeEngine._cache_feeds_of)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        size = tensor.element_size()
+        self.__array_interface__ = {"data": (tensor.data_ptr(), False), "shape": tuple(tensor.shape), "version": 3,
+                                    "typestr": np.dtype(_NUMPY_DTYPES[tensor.dtype]).str,
+                                    "strides": tuple(stride * size for stride in tensor.stride())}
+
+
 class OnnxRuntimeEngine:
-    """Runs ``target.onnx`` and ``draft_step.onnx`` of an engine directory."""
+    """Runs ``target.onnx`` and ``draft_step.onnx`` of an engine directory (and Clover-2's ``draft_prefill.onnx``)."""
 
     def __init__(self, engine_dir: str | Path, threads: int | None = None, meta: EngineMeta | None = None) -> None:
         self.engine_dir = Path(engine_dir)
@@ -44,17 +65,24 @@ class OnnxRuntimeEngine:
                               "--attention standard")
         self.meta = meta
         files = meta.files
-        for name in filter(None, (files.get("target"), files.get("draft_step"))):
+        for name in filter(None, (files.get("target"), files.get("draft_step"), files.get("draft_prefill"))):
             if not (self.engine_dir / name).exists():
                 raise ConfigError(f"{engine_dir}: {name} is missing; rebuild the engine")
         self.target_session = _session(self.engine_dir / files["target"], threads)
         self.draft_session = _session(self.engine_dir / files["draft_step"], threads) if files.get("draft_step") else None
+        prefill = files.get("draft_prefill")
+        self.prefill_session = _session(self.engine_dir / prefill, threads) if prefill else None
         self.spec = engine_spec(meta)
         self.cost_model = meta.cost_model  # None unless calibrated
         num_kv = self.spec.num_kv_layers
         self._cache_names = cache_input_names(num_kv)
         self._present_names = present_output_names(num_kv)
         self._target_outputs = [*TARGET_OUTPUTS, *self._present_names]
+        self._cache_feeds: tuple[list, dict] = ([], {})  # (weak references to the cache views, their feeds)
+        self.run_seconds = 0.0  # spent inside onnxruntime's run calls (clover.bench splits a step with it)
+        num_draft_kv = self.spec.num_draft_kv_layers
+        self._draft_cache_names = draft_cache_input_names(num_draft_kv)
+        self._prefill_outputs = [*DRAFT_PREFILL_OUTPUTS, *draft_present_output_names(num_draft_kv)]
 
     def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
         feeds = {
@@ -62,18 +90,54 @@ class OnnxRuntimeEngine:
             "position_ids": position_ids.contiguous().numpy(),
             "past_lengths": past_lengths.to(torch.int32).contiguous().numpy(),
             "spec_decoding_packed_mask": packed_mask.contiguous().numpy(),
+            **self._cache_feeds_of(k_cache, v_cache),
         }
-        for i, (k, v) in enumerate(zip(k_cache, v_cache)):
-            feeds[self._cache_names[2 * i]] = k.numpy()  # views of the decode loop's cache rows: no copy
-            feeds[self._cache_names[2 * i + 1]] = v.numpy()
-        outputs = [torch.from_numpy(o) for o in self.target_session.run(self._target_outputs, feeds)]
+        outputs = [torch.from_numpy(o) for o in self._run(self.target_session, self._target_outputs, feeds)]
         presents = outputs[2:]
         return TargetResult(outputs[0], outputs[1], presents[0::2], presents[1::2])
+
+    def _cache_feeds_of(self, k_cache, v_cache) -> dict:
+        """The KV-cache feeds: numpy arrays over the decode loop's cache views (no copy), made again only when other
+        view tensors come (:meth:`KVCache.views` hands out the same ones step after step). The arrays do not keep
+        the views alive, so a finished decoder's cache is freed; weak references tell whether they are the same."""
+        tensors = [t for pair in zip(k_cache, v_cache) for t in pair]  # in the order of the input names
+        refs, feeds = self._cache_feeds
+        if len(refs) != len(tensors) or any(ref() is not t for ref, t in zip(refs, tensors)):
+            if not all(t.dtype in _NUMPY_DTYPES and t.device.type == "cpu" and t.numel() for t in tensors):
+                return {name: t.numpy() for name, t in zip(self._cache_names, tensors)}  # not kept
+            feeds = {name: np.asarray(_Memory(t)) for name, t in zip(self._cache_names, tensors)}
+            self._cache_feeds = ([weakref.ref(t) for t in tensors], feeds)
+        return feeds
+
+    def _run(self, session, output_names: list[str], feeds: dict) -> list:
+        start = time.perf_counter()
+        try:
+            return session.run(output_names, feeds)
+        finally:
+            self.run_seconds += time.perf_counter() - start
 
     def draft_step(self, hidden, token, head: int) -> DraftResult:
         if self.draft_session is None:
             raise RuntimeError("this engine was built without a drafter; use method 'vanilla'")
         feeds = {"hidden": hidden.contiguous().numpy(), "token": token.contiguous().numpy(),
                  "head": torch.tensor(head, dtype=torch.long).numpy()}
-        next_hidden, logprobs, ids = self.draft_session.run(list(DRAFT_OUTPUTS), feeds)
+        next_hidden, logprobs, ids = self._run(self.draft_session, list(DRAFT_OUTPUTS), feeds)
         return DraftResult(torch.from_numpy(next_hidden), torch.from_numpy(logprobs), torch.from_numpy(ids))
+
+    def draft_prefill(self, hidden, next_token, position_ids, past_lengths, packed_mask, k_cache,
+                      v_cache) -> DraftPrefillResult:
+        if self.prefill_session is None:
+            raise RuntimeError("this engine's drafter keeps no KV cache (engine contract v1): no draft_prefill")
+        feeds = {
+            "hidden": hidden.contiguous().numpy(),
+            "next_token": next_token.contiguous().numpy(),
+            "position_ids": position_ids.contiguous().numpy(),
+            "past_lengths": past_lengths.to(torch.int32).contiguous().numpy(),
+            "spec_decoding_packed_mask": packed_mask.contiguous().numpy(),
+        }
+        for i, (k, v) in enumerate(zip(k_cache, v_cache)):
+            feeds[self._draft_cache_names[2 * i]] = k.numpy()  # views of the decode loop's draft cache: no copy
+            feeds[self._draft_cache_names[2 * i + 1]] = v.numpy()
+        outputs = [torch.from_numpy(o) for o in self._run(self.prefill_session, self._prefill_outputs, feeds)]
+        presents = outputs[1:]
+        return DraftPrefillResult(outputs[0], presents[0::2], presents[1::2])

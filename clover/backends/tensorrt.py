@@ -1,4 +1,5 @@
-"""The TensorRT backend (NVIDIA GPUs): runs ``target.plan`` and ``draft_step.plan``.
+"""The TensorRT backend (NVIDIA GPUs): runs ``target.plan`` and ``draft_step.plan`` (and Clover-2's
+``draft_prefill.plan``).
 
 Written against TensorRT 10's Python API (``execute_async_v3`` with tensor
 addresses). TensorRT cannot be installed on the development machines, so this
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 
 from clover.config import ConfigError
-from clover.engine_contract import DraftResult, TargetResult, cache_input_names, present_output_names
+from clover.engine_contract import (DraftPrefillResult, DraftResult, TargetResult, cache_input_names,
+                                    draft_cache_input_names, draft_present_output_names, present_output_names)
 from clover.engine_dir import EngineMeta, engine_spec, read_engine_meta
 
 TENSORRT_MISSING = ("TensorRT is not installed (`import tensorrt` failed); the tensorrt backend needs an NVIDIA GPU "
@@ -73,7 +75,7 @@ class _Plan:
 
 
 class TensorRTEngine:
-    """The two contract callables on TensorRT plans of an engine directory."""
+    """The contract callables on TensorRT plans of an engine directory (``draft_prefill``: contract v2)."""
 
     def __init__(self, engine_dir: str | Path, meta: EngineMeta | None = None) -> None:
         trt = require_tensorrt()
@@ -87,12 +89,16 @@ class TensorRTEngine:
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.target_plan = _Plan(trt, runtime, self.engine_dir / files["target_plan"])
         self.draft_plan = _Plan(trt, runtime, self.engine_dir / files["draft_step_plan"]) if files.get("draft_step_plan") else None
+        prefill = files.get("draft_prefill_plan")
+        self.prefill_plan = _Plan(trt, runtime, self.engine_dir / prefill) if prefill else None
         self.stream = torch.cuda.Stream()
         self.spec = engine_spec(meta, device="cuda")
         self.cost_model = meta.cost_model  # None unless calibrated
         num_kv = self.spec.num_kv_layers
         self._cache_names = cache_input_names(num_kv)
         self._present_names = present_output_names(num_kv)
+        self._draft_cache_names = draft_cache_input_names(self.spec.num_draft_kv_layers)
+        self._draft_present_names = draft_present_output_names(self.spec.num_draft_kv_layers)
 
     def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
         inputs = {
@@ -111,3 +117,18 @@ class TensorRTEngine:
         out = self.draft_plan({"hidden": hidden.to(self.spec.dtype).cuda(), "token": token.cuda(),
                                "head": torch.tensor(head, dtype=torch.int64, device="cuda")}, self.stream)
         return DraftResult(out["next_hidden"].cpu(), out["topk_logprobs"].cpu(), out["topk_ids"].cpu())
+
+    def draft_prefill(self, hidden, next_token, position_ids, past_lengths, packed_mask, k_cache,
+                      v_cache) -> DraftPrefillResult:
+        if self.prefill_plan is None:
+            raise RuntimeError("this engine's drafter keeps no KV cache (engine contract v1): no draft_prefill")
+        inputs = {
+            "hidden": hidden.to(self.spec.dtype).cuda(), "next_token": next_token.cuda(),
+            "position_ids": position_ids.cuda(), "past_lengths": past_lengths.to(torch.int32).cuda(),
+            "spec_decoding_packed_mask": packed_mask.cuda(),
+        }
+        for i, (k, v) in enumerate(zip(k_cache, v_cache)):  # the draft cache lives on the GPU too: no copy
+            inputs[self._draft_cache_names[2 * i]], inputs[self._draft_cache_names[2 * i + 1]] = k, v
+        out = self.prefill_plan(inputs, self.stream)
+        presents = [out[n] for n in self._draft_present_names]
+        return DraftPrefillResult(out["state"].cpu(), presents[0::2], presents[1::2])

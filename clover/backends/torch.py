@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from clover.drafters import Drafter
-from clover.engine_contract import DraftResult, EngineSpec, TargetResult
+from clover.config import ConfigError
+from clover.drafters import Drafter, draft_vocab_of
+from clover.engine_contract import DraftPrefillResult, DraftResult, EngineSpec, TargetResult
 from clover.target import LlamaTarget
 
 logger = logging.getLogger(__name__)
@@ -48,20 +49,50 @@ class TargetStep(nn.Module):
 
 
 class DraftStep(nn.Module):
-    """One draft step with the top-k taken inside, so full logits never leave it."""
+    """One draft step with the top-k taken inside, so full logits never leave it.
+
+    With a draft vocabulary (the drafter's ``draft_vocab``, FR-Spec: docs/drafter.md#draft-vocabulary) the
+    heads score only those V' rows of the LM head, kept as their own ``[V', H]`` tensor; the top-k is taken
+    over them (log-probabilities normalised over the V' tokens) and mapped back to target token ids.
+    """
 
     def __init__(self, target: LlamaTarget, drafter: Drafter, top_k: int) -> None:
         super().__init__()
         self.drafter = drafter
         self.lm_head = target.lm_head
         self.top_k = top_k
+        vocab = draft_vocab_of(drafter)  # [V'] target ids, or None: the full vocabulary
+        if vocab is not None and len(vocab) < top_k:
+            raise ConfigError(f"a draft vocabulary of {len(vocab)} tokens cannot give the top {top_k}")
+        self.register_buffer("draft_vocab", vocab, persistent=False)
+        rows = None if vocab is None else target.lm_head.weight.detach()[vocab].clone()  # [V', H]
+        self.register_buffer("draft_lm_head", rows, persistent=False)
 
     def forward(self, hidden, token, head) -> DraftResult:
         """hidden ``[N, H]``, token int64 ``[N]``, head int64 scalar."""
-        next_hidden, logits = self.drafter.step(hidden, token, head, self.lm_head.weight)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if self.draft_vocab is None:
+            next_hidden, logits = self.drafter.step(hidden, token, head, self.lm_head.weight)
+        else:
+            next_hidden, logits = self.drafter.step(hidden, token, head, self.lm_head.weight, self.draft_lm_head)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V or V']
         top = torch.topk(logprobs, self.top_k, dim=-1)
-        return DraftResult(next_hidden, top.values, top.indices)
+        ids = top.indices if self.draft_vocab is None else self.draft_vocab[top.indices]
+        return DraftResult(next_hidden, top.values, ids)
+
+
+class DraftPrefill(nn.Module):
+    """Contract v2's ``draft_prefill``: the drafter's own Augmenting Block over newly accepted positions."""
+
+    def __init__(self, target: LlamaTarget, drafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.lm_head = target.lm_head
+
+    def forward(self, hidden, next_token, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> DraftPrefillResult:
+        """Shapes as in the ``draft_prefill`` comment of :class:`clover.engine_contract.Engine`."""
+        state, present_keys, present_values = self.drafter.prefill(
+            hidden, next_token, position_ids, past_lengths, packed_mask, k_cache, v_cache, self.lm_head.weight)
+        return DraftPrefillResult(state, present_keys, present_values)
 
 
 class TorchEngine:
@@ -74,6 +105,8 @@ class TorchEngine:
         self.cost_model = None  # step times for adaptive trees: calibrate_cost_model()
         self.target_step = TargetStep(target, drafter).eval()
         self.draft = DraftStep(target, drafter, draft_top_k).eval() if drafter is not None else None
+        has_prefill = drafter is not None and drafter.has_draft_prefill
+        self.prefill_step = DraftPrefill(target, drafter).eval() if has_prefill else None
         self.spec = EngineSpec(
             num_kv_layers=self.target_step.num_kv_layers,
             num_kv_heads=cfg.num_kv_heads,
@@ -84,6 +117,7 @@ class TorchEngine:
             draft_top_k=draft_top_k,
             num_draft_heads=drafter.config.num_heads if drafter is not None else 0,
             drafter_method=drafter.config.method if drafter is not None else None,
+            num_draft_kv_layers=drafter.num_kv_layers if has_prefill else 0,
             dtype=target.lm_head.weight.dtype,
         )
 
@@ -134,3 +168,10 @@ class TorchEngine:
         if self.draft is None:
             raise RuntimeError("this engine has no drafter; use method 'vanilla' or pass --drafter")
         return self.draft(hidden, token, head)
+
+    @torch.inference_mode()
+    def draft_prefill(self, hidden, next_token, position_ids, past_lengths, packed_mask, k_cache,
+                      v_cache) -> DraftPrefillResult:
+        if self.prefill_step is None:
+            raise RuntimeError("this engine's drafter keeps no KV cache (engine contract v1): no draft_prefill")
+        return self.prefill_step(hidden, next_token, position_ids, past_lengths, packed_mask, k_cache, v_cache)

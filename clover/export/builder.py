@@ -6,7 +6,8 @@ Layout::
       engine.json                  contract version, tensor table, configs, tree defaults, dtype, limits
       target.onnx(.data)           target + Augmenting Block
       draft_step.onnx(.data)       one regressive draft step (absent for a vanilla-only engine)
-      target.plan, draft_step.plan TensorRT plans (--backend tensorrt only)
+      draft_prefill.onnx(.data)    Clover-2 only (contract v2): its Augmenting Block with its own KV cache
+      target.plan, draft_step.plan TensorRT plans (--backend tensorrt only; draft_prefill.plan for Clover-2)
       tokenizer files
 
 This module only writes engines; :mod:`clover.engine_dir` reads them. The build writes into a temporary
@@ -25,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from clover.config import ConfigError, TreeConfig
+from clover.config import ConfigError, DrafterConfig, TreeConfig
 from clover.engine_dir import BACKENDS, TORCH_DTYPES, EngineLimits, EngineMeta, read_engine_meta
 
 
@@ -46,6 +47,7 @@ class BuildOptions:
     draft_top_k: int = 8
     num_heads: int = 3
     draft_int8: bool = False
+    draft_vocab: int | None = None
 
     def validated(self) -> "BuildOptions":
         """These options with the attention default filled in; ConfigError for an impossible combination."""
@@ -55,6 +57,8 @@ class BuildOptions:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose {', '.join(TORCH_DTYPES)}")
         if self.draft_int8 and (self.backend != "onnxruntime" or self.dtype != "fp32"):
             raise ConfigError("draft_int8 (int8 draft-step weights) is for onnxruntime fp32 engines")
+        if self.draft_vocab is not None and self.draft_vocab < 0:
+            raise ConfigError(f"draft_vocab must be >= 0 (0: the full vocabulary), not {self.draft_vocab}")
         attention = self.attention or ("plugin" if self.backend == "tensorrt" else "standard")
         return dataclasses.replace(self, attention=attention)
 
@@ -103,7 +107,7 @@ def _load_models(target: str | None, drafter: str | None, options: BuildOptions,
                  progress: Callable[[str], None]) -> _LoadedModels:
     """Target, tokenizer and heads, in the engine's dtype. ``drafter`` as in :func:`build_engine`."""
     from clover.demo import resolve_drafter, resolve_target
-    from clover.drafters import Drafter, load_drafter
+    from clover.drafters import Drafter, draft_vocab_of, load_drafter
     from clover.target import load_target, load_tokenizer
 
     progress("loading the target")
@@ -118,15 +122,23 @@ def _load_models(target: str | None, drafter: str | None, options: BuildOptions,
         heads = Drafter.untrained(model, "clover", options.num_heads)
     else:
         progress(f"heads: {drafter}")
-        heads = load_drafter(drafter, model)
+        heads = load_drafter(drafter, model, draft_vocab_size=options.draft_vocab)
+    if options.draft_vocab and (heads is None or draft_vocab_of(heads) is None):
+        raise ConfigError("--draft-vocab needs trained heads with a draft vocabulary (training/draft_vocab.py)")
+    if heads is not None and heads.config.draft_vocab_size:
+        if heads.config.draft_vocab_size < options.draft_top_k:
+            raise ConfigError(f"a draft vocabulary of {heads.config.draft_vocab_size} tokens cannot give the "
+                              f"draft top {options.draft_top_k}")
+        progress(f"draft vocabulary: the {heads.config.draft_vocab_size} most frequent tokens")
     source = str(drafter) if drafter not in (None, "none") else drafter
     return _LoadedModels(target_dir, model, tokenizer, heads, source)
 
 
 def _export_graphs(out: Path, models: _LoadedModels, options: BuildOptions, progress: Callable[[str], None],
                    on_layer: Callable[[int, int], None] | None) -> tuple[dict, dict | None]:
-    """Write target.onnx (and draft_step.onnx); returns the tensor table and the draft quantization."""
-    from clover.export.onnx_graph import export_draft_step, export_target
+    """Write target.onnx (and draft_step.onnx, and draft_prefill.onnx for a drafter with its own KV cache);
+    returns the tensor table and the draft quantization."""
+    from clover.export.onnx_graph import export_draft_prefill, export_draft_step, export_target
 
     model, heads = models.model, models.heads
     torch_dtype = TORCH_DTYPES[options.dtype]
@@ -147,7 +159,21 @@ def _export_graphs(out: Path, models: _LoadedModels, options: BuildOptions, prog
 
             progress("quantizing the draft step's weights to int8")
             quantization = quantize_draft_step(out / "draft_step.onnx")
+    if _has_draft_prefill(models):
+        # kept in its dtype even with draft_int8 (why: docs/engine-contract.md#draft_prefill-in-the-engine-directory)
+        progress("writing draft_prefill.onnx")
+        tensors["draft_prefill"] = export_draft_prefill(model, heads, out / "draft_prefill.onnx", options.dtype,
+                                                        options.attention, max_positions=_max_seq(options, model))
     return tensors, quantization
+
+
+def _has_draft_prefill(models: _LoadedModels) -> bool:
+    """The drafter keeps its own KV cache (Clover-2, engine contract v2): the engine gets ``draft_prefill``."""
+    return models.heads is not None and models.heads.config.has_draft_prefill
+
+
+def _num_draft_kv_layers(models: _LoadedModels) -> int:
+    return models.heads.num_kv_layers if _has_draft_prefill(models) else 0
 
 
 def _max_seq(options: BuildOptions, model) -> int:
@@ -167,7 +193,8 @@ def _build_plans(out: Path, models: _LoadedModels, options: BuildOptions) -> dic
     cfg = models.model.config
     return build_plans(out, dtype=options.dtype, max_batch=options.max_batch, max_tree=options.max_tree,
                        max_seq=options.max_seq, has_draft=models.heads is not None, hidden_size=cfg.hidden_size,
-                       num_kv_layers=_num_kv_layers(models), num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+                       num_kv_layers=_num_kv_layers(models), num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                       num_draft_kv_layers=_num_draft_kv_layers(models))
 
 
 def _engine_meta(models: _LoadedModels, options: BuildOptions, files: dict, tensors: dict,
@@ -179,7 +206,7 @@ def _engine_meta(models: _LoadedModels, options: BuildOptions, files: dict, tens
     model, heads = models.model, models.heads
     return EngineMeta(
         backend=options.backend, dtype=options.dtype, attention=options.attention, files=files, tensors=tensors,
-        num_kv_layers=_num_kv_layers(models),
+        num_kv_layers=_num_kv_layers(models), num_draft_kv_layers=_num_draft_kv_layers(models),
         limits=EngineLimits(options.max_batch, options.max_tree, _max_seq(options, model)),
         target_config=model.config,
         target_fingerprint=target_fingerprint(model.to(torch.float32)),
@@ -193,7 +220,7 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
                  cache_dir: str | None = None, overwrite: bool = False, calibrate: bool = False,
                  calibrate_max_tokens: int | None = None, progress: Callable[[str], None] = _default_progress,
                  on_layer: Callable[[int, int], None] | None = None, **build_options) -> Path:
-    """Compile target (+ Augmenting Block) and draft step into ``output``.
+    """Compile target (+ Augmenting Block) and draft step (+ Clover-2's draft prefill) into ``output``.
 
     Args:
         target: Hugging Face checkpoint directory, or ``demo``.
@@ -208,10 +235,12 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
             ``max_batch``, ``max_tree``, ``max_seq`` (limits); ``draft_top_k``; ``num_heads`` (untrained
             heads only); ``draft_int8`` (int8 weights for the draft step's MatMuls,
             :mod:`clover.export.quantize`; onnxruntime fp32 only; the target is untouched, so decoding
-            stays lossless).
-        calibrate: time the built engine's ``target`` and ``draft_step`` for several token counts (up to
-            ``calibrate_max_tokens``, default ``max_batch * (1 + max_tree)`` capped at 256) and store the
-            cost model in ``engine.json`` (adaptive trees use it; :mod:`clover.adaptive`).
+            stays lossless); ``draft_vocab`` (the draft step scores only that many most frequent tokens of
+            the heads' ``draft_vocab.safetensors``, 0 all of them; default: the heads' own
+            ``draft_vocab_size``; docs/drafter.md#draft-vocabulary; lossless too).
+        calibrate: time the built engine's ``target`` and ``draft_step`` (and ``draft_prefill``) for several
+            token counts (up to ``calibrate_max_tokens``, default ``max_batch * (1 + max_tree)`` capped at 256)
+            and store the cost model in ``engine.json`` (adaptive trees use it; :mod:`clover.adaptive`).
         progress: receives a message at the start of each build step.
         on_layer: ``(done, total)`` after each exported target layer (a progress bar).
     """
@@ -225,6 +254,8 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
         tensors, quantization = _export_graphs(tmp, models, options, progress, on_layer)
         models.tokenizer.save_pretrained(str(tmp))
         files = {"target": "target.onnx", "draft_step": "draft_step.onnx" if models.heads is not None else None}
+        if _has_draft_prefill(models):
+            files["draft_prefill"] = "draft_prefill.onnx"
         if options.backend == "tensorrt":
             progress("building TensorRT plans (minutes)")
             files.update(_build_plans(tmp, models, options))
@@ -268,14 +299,19 @@ def recalibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None
 
 
 def demo_engine_is_current(engine_dir: str | Path) -> bool:
-    """True when ``engine_dir`` holds a demo engine built the default way: the shipped heads, a cost model."""
+    """True when ``engine_dir`` holds a demo engine built the default way: the shipped heads (with their
+    draft vocabulary), a cost model."""
     from clover.demo import resolve_drafter
 
     try:
         meta = read_engine_meta(engine_dir)
     except (ConfigError, FileNotFoundError):
         return False
-    return meta.source.get("drafter") == resolve_drafter(None, "demo") and meta.cost_model is not None
+    heads = resolve_drafter(None, "demo")
+    if meta.source.get("drafter") != heads or meta.cost_model is None:
+        return False
+    shipped_vocab = DrafterConfig.load(Path(heads) / "config.json").draft_vocab_size if heads else 0
+    return (meta.drafter_config.draft_vocab_size if meta.drafter_config else 0) == shipped_vocab
 
 
 def ensure_demo_engine(engine_dir: str | Path | None = None,

@@ -24,8 +24,9 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from clover.drafters import Drafter
-from clover.engine_contract import cache_input_names, present_output_names
+from clover.drafters import Drafter, draft_vocab_of
+from clover.engine_contract import (cache_input_names, draft_cache_input_names, draft_present_output_names,
+                                    present_output_names)
 from clover.target import LlamaTarget
 
 OPSET = 18
@@ -215,6 +216,22 @@ def _plugin_attention(g, q, k, v, past_k, past_v, past_lengths, packed_mask, cfg
     return g.op("Reshape", out, g.const([0, 0, -1], np.int64))
 
 
+def _check_attention(attention: str) -> None:
+    if attention not in ("standard", "plugin"):
+        raise ValueError(f"attention must be 'standard' or 'plugin', not {attention!r}")
+
+
+def _attention_setup(g: GraphWriter, cfg, attention: str, names: list[str], max_positions: int):
+    """(shared, rope) for :func:`_decoder_layer`: the unpacked attention bias (standard attention only) and the
+    rotary tables. ``names``: the graph's [tokens-shaped int64 ``[B, T]`` input, position_ids, past_lengths,
+    packed mask]. The standard variant uses onnxruntime's RotaryEmbedding op with tables for ``max_positions``
+    positions; the plugin variant (TensorRT) plain ops."""
+    if attention == "plugin":
+        return None, _rope(g, names[1], cfg.head_dim, cfg.rope_theta)
+    shared = _AttentionInputs(g, names[0], names[2], names[3], cfg.num_heads // cfg.num_kv_heads)
+    return shared, _RotaryCache(g, cfg.head_dim, cfg.rope_theta, max_positions)
+
+
 def _decoder_layer(g, layer, name, x, rope, past_k, past_v, present_k, present_v, cfg, attention, shared, inputs):
     h = g.rms_norm(x, layer.input_layernorm, f"{name}.input_layernorm")
     attn = layer.self_attn
@@ -263,8 +280,7 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
     ``max_positions`` positions; the plugin variant (TensorRT) uses plain ops.
     Returns the tensor table for ``engine.json``.
     """
-    if attention not in ("standard", "plugin"):
-        raise ValueError(f"attention must be 'standard' or 'plugin', not {attention!r}")
+    _check_attention(attention)
     cfg = target.config
     augment = drafter.augment if drafter is not None else None
     num_kv = cfg.num_layers + (augment is not None)
@@ -284,12 +300,7 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
     ] + [helper.make_tensor_value_info(n, float_type, ["batch", cfg.num_kv_heads, "tokens", cfg.head_dim])
          for n in present_names]
     names = [i.name for i in inputs]
-    shared = None if attention == "plugin" else _AttentionInputs(g, names[0], names[2], names[3],
-                                                                 cfg.num_heads // cfg.num_kv_heads)
-    if attention == "plugin":
-        rope = _rope(g, "position_ids", cfg.head_dim, cfg.rope_theta)
-    else:
-        rope = _RotaryCache(g, cfg.head_dim, cfg.rope_theta, max_positions)
+    shared, rope = _attention_setup(g, cfg, attention, names, max_positions)
     embed = g.weight("embed_tokens.weight", target.embed_tokens.weight)
     x = g.op("Gather", embed, "input_ids", axis=0)
     last_input = x
@@ -316,34 +327,63 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
     return {"inputs": _describe(inputs), "outputs": _describe(outputs)}
 
 
-def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: int, dtype: str = "fp32") -> dict:
-    """Write ``draft_step.onnx``: one regressive step with the top-k inside."""
-    cfg, dcfg = target.config, drafter.config
-    g = GraphWriter(Path(str(path) + ".data"), dtype)
+def _draft_step_io(g: GraphWriter, hidden_size: int, top_k: int) -> tuple[list, list]:
+    """The ``draft_step`` graph's inputs and outputs (engine contract, every drafter)."""
     float_type = g.onnx_dtype  # ONNX element type of the float inputs and outputs
     inputs = [
-        helper.make_tensor_value_info("hidden", float_type, ["nodes", cfg.hidden_size]),
+        helper.make_tensor_value_info("hidden", float_type, ["nodes", hidden_size]),
         helper.make_tensor_value_info("token", TensorProto.INT64, ["nodes"]),
         helper.make_tensor_value_info("head", TensorProto.INT64, []),
     ]
     outputs = [
-        helper.make_tensor_value_info("next_hidden", float_type, ["nodes", cfg.hidden_size]),
+        helper.make_tensor_value_info("next_hidden", float_type, ["nodes", hidden_size]),
         helper.make_tensor_value_info("topk_logprobs", TensorProto.FLOAT, ["nodes", top_k]),
         helper.make_tensor_value_info("topk_ids", TensorProto.INT64, ["nodes", top_k]),
     ]
-    lm_head = g.weight("lm_head.weight", target.lm_head.weight)  # [V, H]: rows are the regressive embeddings
-    lm_head_t = g.op("Transpose", lm_head, perm=[1, 0])
+    return inputs, outputs
+
+
+def _clamped_l2_length(g: GraphWriter, x: str, eps: float) -> str:
+    """``max(||x||, eps)`` over the last axis (kept, size 1): a divisor that is never zero."""
+    length = g.op("Sqrt", g.op("ReduceSum", g.op("Mul", x, x), g.const([-1], np.int64), keepdims=1))
+    return g.op("Max", length, g.const(eps, g.np_dtype))
+
+
+def _cosine_gate(g: GraphWriter, normed: str, embedding: str, block, name: str, num_heads: int, hidden_size: int,
+                 eps: float, rank: int = 2) -> str:
+    """``concat_heads(cos(q_h, k_h) * v_h)``, q from ``normed``, k and v from ``embedding`` (``[..., H]`` of
+    ``rank`` dims): the update of Clover's Attention Decoder and Clover-2's cosine-gated blocks (biases where
+    ``block``'s projections have them). Cosine as ``torch.nn.functional.cosine_similarity``: each length
+    clamped at ``eps``."""
+    keep = [0] * (rank - 1)  # Reshape's 0 copies the leading dims
+    per_head = g.const([*keep, num_heads, hidden_size // num_heads], np.int64)
+    q = g.op("Reshape", g.linear(normed, block.q_proj, f"{name}.q_proj"), per_head)
+    k = g.op("Reshape", g.linear(embedding, block.k_proj, f"{name}.k_proj"), per_head)
+    v = g.op("Reshape", g.linear(embedding, block.v_proj, f"{name}.v_proj"), per_head)
+    dot = g.op("ReduceSum", g.op("Mul", q, k), g.const([-1], np.int64), keepdims=1)
+    lengths = g.op("Mul", _clamped_l2_length(g, q, eps), _clamped_l2_length(g, k, eps))
+    gate = g.op("Div", dot, lengths)  # cosine similarity
+    return g.op("Reshape", g.op("Mul", gate, v), g.const([*keep, hidden_size], np.int64))
+
+
+def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: int, dtype: str = "fp32") -> dict:
+    """Write ``draft_step.onnx``: one regressive step with the top-k inside."""
+    if drafter.config.has_draft_prefill:
+        return export_clover2_draft_step(target, drafter, path, top_k, dtype)
+    cfg, dcfg = target.config, drafter.config
+    g = GraphWriter(Path(str(path) + ".data"), dtype)
+    inputs, outputs = _draft_step_io(g, cfg.hidden_size, top_k)
+    vocab = draft_vocab_of(drafter)  # [V'] target ids of a draft vocabulary, or None
+    lm_head = None  # [V, H]: rows are the regressive embeddings; Medusa with a draft vocabulary needs none
+    if vocab is None or (not drafter.is_medusa and drafter.regressive is not None):
+        lm_head = g.weight("lm_head.weight", target.lm_head.weight)
+    lm_head_t = draft_output_weight(g, target, lm_head, vocab)  # [H, V or V']
     heads_w = g.weight("heads.weight", drafter.heads.weight.transpose(1, 2))  # [K, in, out]
     heads_b = g.weight("heads.bias", drafter.heads.bias)
 
     def res_block(x: str) -> str:
         y = g.op("Add", g.op("MatMul", x, g.op("Gather", heads_w, "head", axis=0)), g.op("Gather", heads_b, "head", axis=0))
         return g.op("Add", x, g.silu(y))
-
-    def clamped_l2_length(x: str, eps: float) -> str:
-        """``max(||x||, eps)`` over the last axis (kept, size 1): a divisor that is never zero."""
-        length = g.op("Sqrt", g.op("ReduceSum", g.op("Mul", x, x), g.const([-1], np.int64), keepdims=1))
-        return g.op("Max", length, g.const(eps, g.np_dtype))
 
     hidden = "hidden"
     if drafter.is_medusa:
@@ -354,18 +394,12 @@ def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: 
             next_hidden = hidden
         else:
             row = g.op("Gather", lm_head, "token", axis=0)
-            emb = g.op("Div", row, clamped_l2_length(row, 1e-12))
+            emb = g.op("Div", row, _clamped_l2_length(g, row, 1e-12))
             reg = drafter.regressive
             normed = g.rms_norm(hidden, reg.norm, "regressive.norm")
             if dcfg.regressive == "attention":
-                per_head = g.const([0, dcfg.num_attention_heads, cfg.hidden_size // dcfg.num_attention_heads], np.int64)
-                q = g.op("Reshape", g.linear(normed, reg.q_proj, "regressive.q_proj"), per_head)
-                k = g.op("Reshape", g.linear(emb, reg.k_proj, "regressive.k_proj"), per_head)
-                v = g.op("Reshape", g.linear(emb, reg.v_proj, "regressive.v_proj"), per_head)
-                dot = g.op("ReduceSum", g.op("Mul", q, k), g.const([-1], np.int64), keepdims=1)
-                lengths = g.op("Mul", clamped_l2_length(q, 1e-6), clamped_l2_length(k, 1e-6))
-                gate = g.op("Div", dot, lengths)  # cosine similarity
-                update = g.op("Reshape", g.op("Mul", gate, v), g.const([0, cfg.hidden_size], np.int64))
+                update = _cosine_gate(g, normed, emb, reg, "regressive", dcfg.num_attention_heads, cfg.hidden_size,
+                                      1e-6)
             else:
                 up = g.linear(g.op("Concat", normed, emb, axis=-1), reg.up, "regressive.up")
                 update = g.linear(g.silu(up), reg.down, "regressive.down")
@@ -374,11 +408,111 @@ def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: 
         logits = g.op("MatMul", g.rms_norm(res_block(next_hidden), drafter.head_norm, "head_norm"), lm_head_t)
     if g.onnx_dtype != TensorProto.FLOAT:
         logits = g.op("Cast", logits, to=TensorProto.FLOAT)
-    logprobs = g.op("LogSoftmax", logits, axis=-1)
-    g.op("TopK", logprobs, g.const([top_k], np.int64), axis=-1, outputs=["topk_logprobs", "topk_ids"])
+    draft_topk(g, logits, top_k, vocab)
     graph = helper.make_graph(g.nodes, "clover_draft_step", inputs, outputs, g.initializers)
     _save(g, graph, Path(path))
     return {"inputs": _describe(inputs), "outputs": _describe(outputs)}
+
+
+def export_clover2_draft_step(target: LlamaTarget, drafter, path: Path, top_k: int, dtype: str = "fp32") -> dict:
+    """Write Clover-2's ``draft_step.onnx`` (:meth:`clover.drafters.Clover2Drafter.step`; docs/drafter.md#clover-2).
+
+    Head 0 reads the root state through ``first_head``; deeper heads mix the node's token into the state
+    (``rnn``) and read ``[state; token embedding]`` through ``rnn_head``. The graph computes both and
+    selects on ``head == 0`` (``Where``), as the torch step does for a tensor head, so one graph serves
+    every depth without control flow.
+    """
+    cfg = target.config
+    g = GraphWriter(Path(str(path) + ".data"), dtype)
+    inputs, outputs = _draft_step_io(g, cfg.hidden_size, top_k)
+    vocab = draft_vocab_of(drafter)  # [V'] target ids of a draft vocabulary, or None
+    lm_head = g.weight("lm_head.weight", target.lm_head.weight)  # [V, H]: its rows are the token embeddings
+    lm_head_t = draft_output_weight(g, target, lm_head, vocab)  # [H, V or V']
+    embedding = g.op("Gather", lm_head, "token", axis=0)  # [N, H], not normalised (the public code's embedding)
+    rnn = drafter.rnn
+    update = _cosine_gate(g, g.rms_norm("hidden", rnn.norm, "rnn.norm"), embedding, rnn, "rnn", rnn.num_heads,
+                          cfg.hidden_size, rnn.eps)
+    deeper_hidden = g.op("Add", "hidden", update)
+    deeper = g.linear(g.op("Concat", deeper_hidden, embedding, axis=-1), drafter.rnn_head, "rnn_head")
+    first = g.op("Equal", "head", g.const(0, np.int64))  # scalar bool: broadcast by Where
+    feature = g.op("Where", first, g.linear("hidden", drafter.first_head, "first_head"), deeper)
+    g.op("Where", first, "hidden", deeper_hidden, outputs=["next_hidden"])
+    logits = g.op("MatMul", g.rms_norm(feature, drafter.head_norm, "head_norm"), lm_head_t)
+    if g.onnx_dtype != TensorProto.FLOAT:
+        logits = g.op("Cast", logits, to=TensorProto.FLOAT)
+    draft_topk(g, logits, top_k, vocab)
+    graph = helper.make_graph(g.nodes, "clover2_draft_step", inputs, outputs, g.initializers)
+    _save(g, graph, Path(path))
+    return {"inputs": _describe(inputs), "outputs": _describe(outputs)}
+
+
+def _draft_prefill_io(g: GraphWriter, cfg, num_draft_kv_layers: int) -> tuple[list, list]:
+    """The ``draft_prefill`` graph's inputs and outputs (engine contract v2, docs/engine-contract.md)."""
+    float_type = g.onnx_dtype
+    cache = ["batch", cfg.num_kv_heads, "max_seq", cfg.head_dim]
+    inputs = [
+        helper.make_tensor_value_info("hidden", float_type, ["batch", "tokens", cfg.hidden_size]),
+        helper.make_tensor_value_info("next_token", TensorProto.INT64, ["batch", "tokens"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "tokens"]),
+        helper.make_tensor_value_info("past_lengths", TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info("spec_decoding_packed_mask", TensorProto.INT32, ["batch", "tokens", "mask_words"]),
+    ] + [helper.make_tensor_value_info(n, float_type, cache) for n in draft_cache_input_names(num_draft_kv_layers)]
+    present = ["batch", cfg.num_kv_heads, "tokens", cfg.head_dim]
+    outputs = [helper.make_tensor_value_info("state", float_type, ["batch", "tokens", cfg.hidden_size])] + [
+        helper.make_tensor_value_info(n, float_type, present) for n in draft_present_output_names(num_draft_kv_layers)]
+    return inputs, outputs
+
+
+def export_draft_prefill(target: LlamaTarget, drafter, path: Path, dtype: str = "fp32", attention: str = "standard",
+                         max_positions: int = 2048) -> dict:
+    """Write ``draft_prefill.onnx`` (+ ``.data``): Clover-2's token-aware Augmenting Block over the newly accepted
+    positions, with its own KV cache (engine contract v2; :class:`clover.backends.torch.DraftPrefill`).
+
+    The target's hidden state with the token after each position mixed in (``token_mixer``), then
+    ``block_layers`` decoder layers written like the target's (``clover.TreeAttention`` nodes with
+    ``attention="plugin"``; the cache inputs are ``draft_past_*``), then ``block_norm``: the output ``state``.
+    Returns the tensor table for ``engine.json``.
+    """
+    _check_attention(attention)
+    cfg = target.config
+    g = GraphWriter(Path(str(path) + ".data"), dtype)
+    inputs, outputs = _draft_prefill_io(g, cfg, drafter.num_kv_layers)
+    cache_names = draft_cache_input_names(drafter.num_kv_layers)
+    present_names = draft_present_output_names(drafter.num_kv_layers)
+    names = ["next_token", "position_ids", "past_lengths", "spec_decoding_packed_mask"]  # _decoder_layer's roles
+    shared, rope = _attention_setup(g, cfg, attention, names, max_positions)
+    embedding = g.op("Gather", g.weight("lm_head.weight", target.lm_head.weight), "next_token", axis=0)  # [B, T, H]
+    mixer = drafter.token_mixer
+    update = _cosine_gate(g, g.rms_norm("hidden", mixer.norm, "token_mixer.norm"), embedding, mixer, "token_mixer",
+                          mixer.num_heads, cfg.hidden_size, mixer.eps, rank=3)
+    x = g.op("Add", "hidden", update)
+    for i, layer in enumerate(drafter.block):
+        x = _decoder_layer(g, layer, f"block.{i}", x, rope, cache_names[2 * i], cache_names[2 * i + 1],
+                           present_names[2 * i], present_names[2 * i + 1], cfg, attention, shared, names)
+    g.op("Identity", g.rms_norm(x, drafter.block_norm, "block_norm"), outputs=["state"])
+    graph = helper.make_graph(g.nodes, "clover2_draft_prefill", inputs, outputs, g.initializers)
+    _save(g, graph, Path(path))
+    return {"inputs": _describe(inputs), "outputs": _describe(outputs)}
+
+
+def draft_output_weight(g: GraphWriter, target: LlamaTarget, lm_head: str | None, vocab: torch.Tensor | None) -> str:
+    """The MatMul weight of the draft logits: ``Transpose(lm_head)`` ``[H, V]``, or with a draft vocabulary
+    (docs/drafter.md#draft-vocabulary) its V' rows as their own ``[H, V']`` initializer, so int8
+    quantization (:mod:`clover.export.quantize`) stores and reads only those."""
+    if vocab is None:
+        return g.op("Transpose", lm_head, perm=[1, 0])
+    return g.weight("draft_lm_head.weight", target.lm_head.weight.detach()[vocab].T)
+
+
+def draft_topk(g: GraphWriter, logits: str, top_k: int, vocab: torch.Tensor | None) -> None:
+    """fp32 logits ``[N, V or V']`` -> the outputs ``topk_logprobs``, ``topk_ids`` ``[N, k]``; a draft
+    vocabulary's ranks are mapped back to target token ids (a Gather)."""
+    logprobs = g.op("LogSoftmax", logits, axis=-1)
+    if vocab is None:
+        g.op("TopK", logprobs, g.const([top_k], np.int64), axis=-1, outputs=["topk_logprobs", "topk_ids"])
+        return
+    _, ranks = g.op("TopK", logprobs, g.const([top_k], np.int64), axis=-1, outputs=["topk_logprobs", "topk_ranks"])
+    g.op("Gather", g.weight("draft_vocab", vocab.numpy().astype(np.int64)), ranks, axis=0, outputs=["topk_ids"])
 
 
 def _describe(infos) -> list[dict]:

@@ -6,6 +6,11 @@ demo target, against about 8 MB of heads). Dynamic int8 quantization
 (``onnxruntime.quantization.quantize_dynamic``: per-output-channel int8
 weights, activations quantized per call) reads a quarter of the bytes.
 
+With a draft vocabulary (docs/drafter.md#draft-vocabulary) the draft logits
+multiply ``draft_lm_head.weight``, its ``[H, V']`` rows stored as their own
+initializer, so only those V' rows are quantized and read (the full ``[V, H]``
+table stays fp32 for the regressive embedding, a Gather of N rows).
+
 Only the drafter's proposals can change, never what the target accepts, so
 decoding stays lossless; the target graph is not touched.
 """
@@ -66,8 +71,11 @@ def quantize_draft_step(path: str | Path) -> dict:
         del model
         quantized = work / "quantized" / path.name
         quantized.parent.mkdir()
+        # DefaultTensorType: where shape inference cannot type a MatMul's output (after onnxruntime's own
+        # RotaryEmbedding op, in Clover-2's draft_prefill graph: benchmarks/draft_prefill_int8.py) it is float
         quantize_dynamic(str(folded), str(quantized), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul"], use_external_data_format=True)
+                         op_types_to_quantize=["MatMul"], use_external_data_format=True,
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         count = sum(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul")
                     for n in onnx.load(str(quantized), load_external_data=False).graph.node)
         if not count:

@@ -13,7 +13,7 @@ from pathlib import Path
 from clover.attention import num_mask_words
 from clover.backends.tensorrt import load_tree_attention_plugin, require_tensorrt
 from clover.config import ConfigError
-from clover.engine_contract import cache_input_names
+from clover.engine_contract import cache_input_names, draft_cache_input_names
 
 
 def target_profile(max_batch, max_tree, max_seq, num_kv_layers, num_kv_heads, head_dim) -> dict:
@@ -26,6 +26,24 @@ def target_profile(max_batch, max_tree, max_seq, num_kv_layers, num_kv_heads, he
         "spec_decoding_packed_mask": ((1, 1, 1), (1, opt_tokens, 1), (max_batch, max_seq, num_mask_words(max_seq))),
     }
     for name in cache_input_names(num_kv_layers):
+        profile[name] = ((1, num_kv_heads, max_seq, head_dim), (1, num_kv_heads, max_seq, head_dim),
+                         (max_batch, num_kv_heads, max_seq, head_dim))
+    return profile
+
+
+def draft_prefill_profile(max_batch, max_seq, hidden_size, num_draft_kv_layers, num_kv_heads, head_dim) -> dict:
+    """``{input: (min, opt, max)}`` shapes for Clover-2's ``draft_prefill``: new positions 1..max_seq as for
+    ``target`` (a prompt, or the positions accepted in one step: opt 2), the draft cache at max_seq."""
+    opt_tokens = 2
+    tokens = ((1, 1), (1, opt_tokens), (max_batch, max_seq))
+    profile = {
+        "hidden": tuple((*shape, hidden_size) for shape in tokens),
+        "next_token": tokens,
+        "position_ids": tokens,
+        "past_lengths": ((1,), (1,), (max_batch,)),
+        "spec_decoding_packed_mask": ((1, 1, 1), (1, opt_tokens, 1), (max_batch, max_seq, num_mask_words(max_seq))),
+    }
+    for name in draft_cache_input_names(num_draft_kv_layers):
         profile[name] = ((1, num_kv_heads, max_seq, head_dim), (1, num_kv_heads, max_seq, head_dim),
                          (max_batch, num_kv_heads, max_seq, head_dim))
     return profile
@@ -61,8 +79,10 @@ def _build_one(trt, onnx_path: Path, plan_path: Path, profile_shapes: dict, fp16
 
 
 def build_plans(engine_dir: Path, *, dtype: str, max_batch: int, max_tree: int, max_seq: int, has_draft: bool,
-                hidden_size: int, num_kv_layers: int, num_kv_heads: int, head_dim: int) -> dict:
-    """Write ``target.plan`` (and ``draft_step.plan``); returns the file entries for ``engine.json``."""
+                hidden_size: int, num_kv_layers: int, num_kv_heads: int, head_dim: int,
+                num_draft_kv_layers: int = 0) -> dict:
+    """Write ``target.plan`` (and ``draft_step.plan``, and ``draft_prefill.plan`` for a drafter with its own KV
+    cache); returns the file entries for ``engine.json``."""
     trt = require_tensorrt()
     load_tree_attention_plugin()
     fp16 = dtype == "fp16"
@@ -73,4 +93,9 @@ def build_plans(engine_dir: Path, *, dtype: str, max_batch: int, max_tree: int, 
         _build_one(trt, engine_dir / "draft_step.onnx", engine_dir / "draft_step.plan",
                    draft_profile(max_batch, max_tree, hidden_size), fp16)
         files["draft_step_plan"] = "draft_step.plan"
+    if num_draft_kv_layers:
+        _build_one(trt, engine_dir / "draft_prefill.onnx", engine_dir / "draft_prefill.plan",
+                   draft_prefill_profile(max_batch, max_seq, hidden_size, num_draft_kv_layers, num_kv_heads, head_dim),
+                   fp16)
+        files["draft_prefill_plan"] = "draft_prefill.plan"
     return files

@@ -73,7 +73,8 @@ PARAMETERS = {
                        "A relative path is taken from the model repository's parent"),
     "backend": ("auto", "auto (the backend engine.json names), onnxruntime, tensorrt, or torch (engine_dir is then "
                         "a Hugging Face checkpoint directory or 'demo')"),
-    "method": ("auto", "auto (clover when the engine has draft heads, else vanilla), clover, medusa or vanilla"),
+    "method": ("auto", "auto (the family of the engine's draft heads: clover, clover2 or medusa; vanilla "
+                       "without heads), clover, clover2, medusa or vanilla"),
     "max_batch": ("0", "sequences decoded together at most; 0: the engine's max_batch"),
     "tree_budget": ("", "draft tree nodes per step (default: the engine's tree defaults); with adaptive, the "
                         "largest budget a step may use"),

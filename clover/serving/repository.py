@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("output", type=Path, help="model repository directory to write")
     p.add_argument("--engine", required=True, help="engine directory (export/build_engine.py)")
     p.add_argument("--backend", default="auto", help="auto, onnxruntime, tensorrt or torch")
-    p.add_argument("--method", default="auto", help="auto, clover, medusa or vanilla")
+    p.add_argument("--method", default="auto", help="auto, clover, clover2, medusa or vanilla")
     p.add_argument("--max-batch", default="0", help="in-flight batch size at most (0: the engine's limit)")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT")
     args = p.parse_args(argv)

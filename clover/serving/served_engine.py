@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from clover.config import ConfigError, TreeConfig
+from clover.decode import METHODS as DECODE_METHODS
 from clover.demo import default_engine_dir
 
 TORCH_MAX_BATCH = 16  # the torch path has no built-in limit; this keeps a CPU server responsive
@@ -35,7 +36,7 @@ class LoadedEngine:
     description: str
 
 
-METHODS = ("auto", "vanilla", "clover", "medusa")
+METHODS = ("auto", *DECODE_METHODS)  # auto: the engine's own drafter family (EngineSpec.default_method)
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 
 
