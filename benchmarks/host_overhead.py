@@ -37,16 +37,6 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a hash table works, with a small Python example.",
-    "What are the main causes of the French Revolution?",
-    "Give me three tips for writing clear technical documentation.",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Summarise the water cycle for a ten-year-old.",
-    "How do I read a CSV file with the csv module in Python?",
-    "Describe a peaceful morning in a small fishing village.",
-]
 # decode-loop functions timed as phases where the code under test has them (old and new code alike)
 PHASES = {"clover.decode": ("build_trees", "draft_tree_batch", "batch_trees", "greedy_accept", "sampling_accept"),
           "clover.kv_cache.KVCache": ("commit", "remove_rows")}
@@ -108,6 +98,7 @@ def worker(args) -> dict:
     from transformers import AutoTokenizer
 
     from clover.backends import load_engine
+    from clover.bench import PROMPTS  # the bench's built-in prompts (old and new code both have them)
     from clover.config import TreeConfig
     from clover.decode import GenerationRequest, SpeculativeDecoder
     from clover.prompts import encode_prompt

@@ -451,13 +451,16 @@ class SpeculativeDecoder:
         source = torch.tensor([a.path + [0] * (width - len(a.path)) for a in accepted])
         self.cache.commit(result.present_keys, result.present_values, source,
                           torch.tensor([len(a.path) for a in accepted]))
-        if self.method != "vanilla":  # h0 at each deepest accepted node, one gather for the batch: [n, H]
+        # the next roots' states: h0 at each deepest accepted node, one gather for the batch [n, H]
+        # (clover2 takes them from its draft_prefill below instead)
+        root_from_h0 = self.method != "vanilla" and self.draft_cache is None
+        if root_from_h0:
             root_hidden = take_rows(result.h0.flatten(0, 1), [i * result.h0.shape[1] + a.path[-1]
                                                               for i, a in enumerate(accepted)])
         for i, (seq, acc) in enumerate(zip(seqs, accepted)):
             step_counts = seq.stats.record(trees[i], acc)
             seq.root_token = acc.tokens[-1]
-            if self.method != "vanilla":
+            if root_from_h0:
                 seq.root_hidden = root_hidden[i]
             events.append(self._event(seq, seq.emit(acc.tokens), step_counts))
         self._draft_after_step(seqs, result.h0, accepted)
