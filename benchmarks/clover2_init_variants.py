@@ -3,7 +3,9 @@
     python benchmarks/clover2_init_variants.py STEPS VARIANT [VARIANT ...]
 
 VARIANT: ``current`` (Clover2Drafter as implemented), ``normed-input`` (the token mixer reads the
-RMS-normalised last hidden state), ``normed-wv-identity`` (that, plus Wv = I + noise), ``wv-identity``.
+RMS-normalised last hidden state), ``normed-wv-identity`` (that, plus Wv = I + noise), ``wv-identity``,
+``normed-concat`` (normed input, and head 1 reads ``[state; e(root token)]`` through a 2H -> H linear,
+as the deeper heads read theirs). ``--draft-vocab DIR`` trains and scores over that draft vocabulary.
 Needs the ShareGPT caches of training/sharegpt_pipeline.sh (outputs/data/cache/sharegpt-{train,eval}).
 Prints, per variant, top-1 against the label and agreement with the target's top-1 on 12 held-out
 conversations.
@@ -14,8 +16,13 @@ from train import run_batch, collate, head_weights, make_plan
 from hidden_cache import HiddenCache
 from clover.demo import resolve_target
 from clover.target import load_target
-from clover.drafters import Drafter, new_drafter_config, RMSNorm
+from clover.drafters import Drafter, new_drafter_config, RMSNorm, read_draft_vocab, set_draft_vocab
 torch.set_num_threads(2)
+VOCAB = None
+if "--draft-vocab" in sys.argv:
+    at = sys.argv.index("--draft-vocab")
+    VOCAB = read_draft_vocab(sys.argv[at + 1], 16384)
+    del sys.argv[at: at + 2]
 target = load_target(resolve_target("demo", None))
 train_cache = HiddenCache("outputs/data/cache/sharegpt-train")
 eval_cache = HiddenCache("outputs/data/cache/sharegpt-eval")
@@ -35,9 +42,28 @@ def variant(name):
         d.token_mixer.forward = lambda h, e: inner(norm(h), e)
         with torch.no_grad():
             d.token_mixer.v_proj.weight.add_(torch.eye(576)); d.rnn.v_proj.weight.add_(torch.eye(576))
+    if name == "normed-concat":
+        norm = RMSNorm(576, 1e-5); norm.requires_grad_(False)
+        inner = d.token_mixer.forward
+        d.token_mixer.forward = lambda h, e: inner(norm(h), e)
+        first = torch.nn.Linear(1152, 576)
+        with torch.no_grad():
+            torch.nn.init.uniform_(first.weight, 0.0, 0.01); torch.nn.init.zeros_(first.bias)
+            first.weight[:, :576].add_(torch.eye(576))
+        d.first_concat = first
+        step = d.step_with_feature
+        def step_with_feature(hidden, token, head, lm_head_weight, output_weight=None):
+            if head != 0:
+                return step(hidden, token, head, lm_head_weight, output_weight)
+            feature = d.first_concat(torch.cat([hidden, lm_head_weight[token]], dim=-1))
+            scored = lm_head_weight if output_weight is None else output_weight
+            return hidden, feature, d.head_norm(feature) @ scored.T
+        d.step_with_feature = step_with_feature
     if name == "wv-identity":
         with torch.no_grad():
             d.token_mixer.v_proj.weight.add_(20 * torch.eye(576)); d.rnn.v_proj.weight.add_(20 * torch.eye(576))
+    if VOCAB is not None:
+        set_draft_vocab(d, VOCAB)
     return d
 for name in sys.argv[2:]:
     d = variant(name).train()

@@ -29,12 +29,26 @@ sweep. ``--quick`` runs small sweeps (a smoke test, not evidence).
 
 Not here: per-category extra tokens/step (``training/evaluate.py`` measures it
 with trained heads and the prompt data).
+
+Resuming: every sample is appended to ``--output``/``samples.jsonl`` (one JSON
+line, flushed) as soon as it is measured, and ``bench_progress.json`` beside it
+records the run key (every setting that changes what is measured: engines,
+sweeps, sizes, budgets, repeats, new tokens, prompts, threads; not
+``--output`` or ``--silent``), the prompts' token ids (a digest) and any cost
+model calibrated by the run. A run that was killed loses at most the sample in
+flight: rerun the same command and it measures only the (sweep, configuration,
+x, repeat) samples still missing, in the same interleaved order (a configuration
+is warmed up once per process, and only if it has something left to measure),
+then writes the reports from all samples. A run with other settings on the same
+``--output`` stops with an error: pass ``--fresh`` to discard the samples there
+and start over, or choose another ``--output``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -46,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from clover.stats import tokens_per_step
 from clover.config import ConfigError, TreeConfig
@@ -270,6 +285,160 @@ def summarize(samples: list[dict], key: str) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+# -- samples on disk: a killed run resumes ---------------------------------------
+
+SAMPLES_FILE, PROGRESS_FILE = "samples.jsonl", "bench_progress.json"
+# settings that change nothing measured: where the results go, what is printed, how the run starts; --quick
+# only sets the defaults of other settings, which the key holds as resolved
+NOT_IN_RUN_KEY = ("argv", "output", "silent", "fresh", "quick", "triton_startup_timeout")
+
+
+def run_key(args) -> dict:
+    """The settings that decide what a run measures (engine directories resolved): a resumed run must match."""
+    key = {name: value for name, value in vars(args).items() if name not in NOT_IN_RUN_KEY}
+    for name in ("engine", "medusa_engine"):
+        if key.get(name):
+            key[name] = str(Path(key[name]).resolve())
+    key["extra_engine"] = [[label, str(Path(directory).resolve())] for label, directory in args.extra_engine]
+    return json.loads(json.dumps(key))  # tuples as lists: compares equal to the copy read back from JSON
+
+
+def sample_key(sample: dict) -> tuple:
+    """What a sample measured: one per (sweep, configuration, x, repeat) in a run."""
+    return sample["sweep"], sample["method"], sample["x"], sample["repeat"]
+
+
+def _parse_sample(line: bytes) -> dict | None:
+    try:
+        sample = json.loads(line)
+        sample_key(sample)
+    except (ValueError, TypeError, KeyError):
+        return None
+    return sample
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A kill leaves the old file or the new one, never half of one."""
+    partial = path.with_name(path.name + ".partial")
+    with partial.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+class SampleStore:
+    """The samples of a run in ``<output>/samples.jsonl``, one JSON line each, appended and flushed as each one
+    is measured, and in ``<output>/bench_progress.json`` the run key they belong to (and a cost model
+    calibrated by the run, so a resumed run's adaptive clover uses the same one).
+
+    Opening it on a directory of another run (another key) raises :class:`ConfigError`; ``fresh`` discards
+    what is there first.
+    """
+
+    def __init__(self, output: Path, key: dict, fresh: bool = False) -> None:
+        output.mkdir(parents=True, exist_ok=True)
+        self.path, self.progress_path = output / SAMPLES_FILE, output / PROGRESS_FILE
+        if fresh:
+            self.path.unlink(missing_ok=True)
+            self.progress_path.unlink(missing_ok=True)
+        self.progress = self._check_key(key)
+        self.dropped = 0  # lines of samples.jsonl not read back: cut by a kill mid-write, or duplicates
+        self.samples = self._load()
+
+    def _check_key(self, key: dict) -> dict:
+        retry = "pass --fresh to discard them and start over, or use another --output"
+        if not self.progress_path.exists():
+            if self.path.exists():
+                raise ConfigError(f"{self.path} has samples but no {PROGRESS_FILE} saying what they measured; {retry}")
+            progress = {"run_key": key}
+            _write_atomically(self.progress_path, json.dumps(progress, indent=1) + "\n")
+            return progress
+        try:
+            progress = json.loads(self.progress_path.read_text())
+            stored = progress["run_key"]
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{self.progress_path} is unreadable; {retry}") from None
+        if stored != key:
+            changed = sorted(name for name in set(stored) | set(key) if stored.get(name) != key.get(name))
+            raise ConfigError(f"{self.path.parent} holds samples of a run with other settings "
+                              f"(different: {', '.join(changed)}); {retry}")
+        return progress
+
+    def _load(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        *lines, cut = self.path.read_bytes().split(b"\n")  # cut: b"" unless a kill stopped a line mid-write
+        samples, seen = [], set()
+        for sample in filter(None, map(_parse_sample, lines)):
+            if sample_key(sample) not in seen:
+                seen.add(sample_key(sample))
+                samples.append(sample)
+        self.dropped = len(lines) - len(samples) + bool(cut)
+        if self.dropped:  # rewritten, so the next sample does not start on the cut line
+            _write_atomically(self.path, "".join(json.dumps(s) + "\n" for s in samples))
+        return samples
+
+    def add(self, sample: dict) -> None:
+        """Appends ``sample`` and flushes it to disk before the next measurement starts."""
+        with self.path.open("a") as f:
+            f.write(json.dumps(sample) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.samples.append(sample)
+
+    def remember(self, name: str, value) -> None:
+        """Stores ``value`` with the run key (read back by a resumed run from :attr:`progress`)."""
+        self.progress[name] = value
+        _write_atomically(self.progress_path, json.dumps(self.progress, indent=1) + "\n")
+
+
+def _rotated(rows: list, repeat: int) -> list:
+    shift = repeat % max(len(rows), 1)
+    return rows[shift:] + rows[:shift]
+
+
+def measure_sweeps(configs: dict[str, list[Config]], repeats: int, max_new: int, measure, store: SampleStore,
+                   log, progress: bool = True, before_sweep=None) -> list[dict]:
+    """Measures every (configuration, repeat) of ``configs`` not yet in ``store``, adding each sample to it
+    as soon as it is taken; returns all the store's samples.
+
+    Each repeat of a sweep runs its configurations in an order rotated by the repeat (interleaved), the
+    samples already stored left out. ``measure(config, repeat, max_new)`` measures one; before a sweep's
+    first measurement, every configuration with something left to measure is warmed up once with
+    ``measure(config, 0, min(4, max_new))`` (sessions, allocations, first-call costs; not recorded).
+    ``before_sweep(sweep)`` runs before that, for sweeps with something left to measure.
+    """
+    done = {sample_key(s) for s in store.samples}
+    todo = {sweep: [(repeat, config) for repeat in range(repeats) for config in _rotated(rows, repeat)
+                    if (sweep, config.name, config.x, repeat) not in done] for sweep, rows in configs.items()}
+    total = sum(map(len, todo.values()))
+    if store.samples or store.dropped:
+        log(f"resumed {len(store.samples)} samples from {store.path}"
+            + (f" ({store.dropped} cut or repeated lines ignored)" if store.dropped else "")
+            + f"; {total} left to measure")
+    with tqdm(total=total, unit="sample", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+        for sweep, work in todo.items():
+            log(f"sweep {sweep}: {len(configs[sweep])} configurations x {repeats} repeats, "
+                f"{len(work)} to measure" + (" (+ warm-up)" if work else ""))
+            if not work:
+                continue
+            if before_sweep is not None:
+                before_sweep(sweep)
+            pending = {(config.name, config.x) for _, config in work}
+            for config in configs[sweep]:
+                if (config.name, config.x) in pending:
+                    bar.set_description(f"{sweep} {config.name} x={config.x} warm-up")
+                    measure(config, 0, min(4, max_new))
+            for repeat, config in work:
+                bar.set_description(f"{sweep} {config.name} x={config.x} repeat {repeat}")
+                sample = measure(config, repeat, max_new)
+                store.add({"sweep": sweep, "x": config.x, "method": config.name, "batch": config.batch,
+                           "repeat": repeat, **sample})
+                bar.update()
+    return store.samples
+
+
 # -- the run ------------------------------------------------------------------
 
 
@@ -351,14 +520,52 @@ def bench_prompts(source: str, notes: list[str]) -> list[str]:
     return list(PROMPTS)
 
 
-def run(args) -> dict:
+def _encoded_prompts(args, spec, notes: list[str]) -> tuple[list[str], list[list[int]]]:
+    """(texts, token ids) of the prompts that fit the engine's context with ``--max-new-tokens`` new tokens."""
     from transformers import AutoTokenizer
 
-    from clover.adaptive import calibrate
-    from clover.backends.onnxruntime import OnnxRuntimeEngine
     from clover.prompts import encode_prompt
 
-    log = (lambda m: None) if args.silent else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+    tokenizer = AutoTokenizer.from_pretrained(args.engine)
+    texts = bench_prompts(args.prompts, notes)[: args.num_prompts]
+    encoded = [(t, encode_prompt(tokenizer, t)) for t in texts]
+    fitting = [(t, ids) for t, ids in encoded if len(ids) + args.max_new_tokens <= spec.max_seq_len]
+    if not fitting:
+        raise ConfigError(f"no prompt fits the engine's context of {spec.max_seq_len} tokens with "
+                          f"{args.max_new_tokens} new tokens")
+    if len(fitting) < len(encoded):
+        notes.append(f"{len(encoded) - len(fitting)} of {len(encoded)} prompts left out: longer than the engine's "
+                     f"context ({spec.max_seq_len} tokens) minus {args.max_new_tokens} new tokens.")
+    return [t for t, _ in fitting], [ids for _, ids in fitting]
+
+
+def _cost_model(args, engine, store: SampleStore, notes: list[str], log):
+    """The engine's cost model; without one (and a batch sweep), one calibrated now, or by the run resumed."""
+    from clover.adaptive import CostModel, calibrate
+
+    if engine.cost_model is not None or "batch" not in args.sweeps:
+        return engine.cost_model
+    if store.progress.get("cost_model"):
+        notes.append("The engine had no stored cost model; adaptive clover used one calibrated at the start of "
+                     f"this run (kept in {PROGRESS_FILE} for its resumed parts).")
+        return CostModel.from_dict(store.progress["cost_model"])
+    log("the engine has no cost model (build_engine --calibrate); calibrating now")
+    cost_model = calibrate(engine, max_tokens=min(256, max(args.batch_sizes) * (1 + args.adaptive_max_budget)),
+                           repeats=3, source="calibrated by clover.bench")
+    store.remember("cost_model", cost_model.to_dict())
+    notes.append("The engine had no stored cost model; adaptive clover used one calibrated at the start of this run.")
+    return cost_model
+
+
+def _log(message: str) -> None:
+    tqdm.write(f"[bench] {message}", file=sys.stderr)  # above the progress bar, not through it
+
+
+def run(args) -> dict:
+    from clover.backends.onnxruntime import OnnxRuntimeEngine
+
+    key = run_key(args)  # before the sweeps that cannot run here are taken out of args.sweeps
+    log = (lambda m: None) if args.silent else _log
     engines = {"clover": OnnxRuntimeEngine(args.engine, threads=args.threads)}
     if args.medusa_engine:
         engines["medusa"] = OnnxRuntimeEngine(args.medusa_engine, threads=args.threads)
@@ -372,23 +579,10 @@ def run(args) -> dict:
     if not spec.num_draft_heads:
         raise ConfigError(f"{args.engine}: the engine has no draft heads; build it with a drafter")
     notes = []
-    cost_model = engines["clover"].cost_model
-    if cost_model is None and "batch" in args.sweeps:
-        log("the engine has no cost model (build_engine --calibrate); calibrating now")
-        cost_model = calibrate(engines["clover"], max_tokens=min(256, max(args.batch_sizes) * (1 + args.adaptive_max_budget)),
-                               repeats=3, source="calibrated by clover.bench")
-        notes.append("The engine had no stored cost model; adaptive clover used one calibrated at the start of this run.")
-    tokenizer = AutoTokenizer.from_pretrained(args.engine)
-    texts = bench_prompts(args.prompts, notes)[: args.num_prompts]
-    encoded = [(t, encode_prompt(tokenizer, t)) for t in texts]
-    fitting = [(t, ids) for t, ids in encoded if len(ids) + args.max_new_tokens <= spec.max_seq_len]
-    if not fitting:
-        raise ConfigError(f"no prompt fits the engine's context of {spec.max_seq_len} tokens with "
-                          f"{args.max_new_tokens} new tokens")
-    if len(fitting) < len(encoded):
-        notes.append(f"{len(encoded) - len(fitting)} of {len(encoded)} prompts left out: longer than the engine's "
-                     f"context ({spec.max_seq_len} tokens) minus {args.max_new_tokens} new tokens.")
-    texts, prompts = [t for t, _ in fitting], [ids for _, ids in fitting]
+    texts, prompts = _encoded_prompts(args, spec, notes)
+    key["prompt_token_ids_sha256"] = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    store = SampleStore(Path(args.output), key, fresh=args.fresh)
+    cost_model = _cost_model(args, engines["clover"], store, notes, log)
 
     hf_model = None
     if "hf" in args.sweeps:
@@ -416,13 +610,13 @@ def run(args) -> dict:
                              "(build_engine --calibrate).")
             triton = TritonSweep(args, engines, Path(args.output) / "triton", log)
     try:
-        return _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, notes, log)
+        return _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, store, notes, log)
     finally:
         if triton is not None:
             triton.close()
 
 
-def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, notes, log) -> dict:
+def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, store, notes, log) -> dict:
     extra = {label: engines[label].spec.default_method
              for label, _ in args.extra_engine}
     configs = build_configs(args, engines["clover"].spec, "medusa" in engines,
@@ -437,21 +631,17 @@ def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, no
         model = cost_model if config.tree is not None and config.tree.adaptive else None
         return run_decode(engines[config.engine], config, prompts, max_new, model, first_prompt=repeat)
 
-    samples: list[dict] = []
-    started = time.time()
-    for sweep, rows in configs.items():
-        log(f"sweep {sweep}: {len(rows)} configurations x {args.repeats} repeats (+ warm-up)")
-        if sweep == "triton":
+    def before_sweep(sweep: str) -> None:
+        if sweep == "triton":  # started only for a sweep with something left to measure
             triton.start()
-        for config in rows:  # warm-up: sessions, allocations, first-call costs; not recorded
-            measure(config, 0, min(4, args.max_new_tokens))
-        for repeat in range(args.repeats):
-            shift = repeat % len(rows)
-            for config in rows[shift:] + rows[:shift]:
-                sample = measure(config, repeat, args.max_new_tokens)
-                samples.append({"sweep": sweep, "x": config.x, "method": config.name, "batch": config.batch,
-                                "repeat": repeat, **sample})
+
+    started = time.time()
+    stored = measure_sweeps(configs, args.repeats, args.max_new_tokens, measure, store, log,
+                            progress=not args.silent, before_sweep=before_sweep)
     log(f"measured in {time.time() - started:.0f} s")
+    # samples of this run's configurations (not of a sweep that cannot run here now, e.g. without tritonserver)
+    wanted = {(sweep, config.name, config.x) for sweep, rows in configs.items() for config in rows}
+    samples = [s for s in stored if sample_key(s)[:3] in wanted]
 
     sweeps: dict[str, Any] = {}
     for sweep, rows in configs.items():
@@ -669,7 +859,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra-engine", action="append", type=_labelled, default=[], metavar="LABEL=DIR",
                    help="another engine with heads (e.g. the same heads built another way): adds the line LABEL "
                         "to the batch sweep at --budget (repeatable)")
-    p.add_argument("--output", default="results/bench", help="directory for bench.json, bench.md and the PNGs")
+    p.add_argument("--output", default="results/bench",
+                   help="directory for bench.json, bench.md and the PNGs, and for samples.jsonl and "
+                        "bench_progress.json, from which the same command resumes a run that was killed")
+    p.add_argument("--fresh", action="store_true",
+                   help="discard the samples of an earlier run in --output and measure everything again "
+                        "(needed to reuse an --output with other settings)")
     p.add_argument("--sweeps", default=",".join(SWEEPS), help=f"comma-separated subset of {','.join(SWEEPS)}")
     p.add_argument("--quick", action="store_true", help="small sweeps, 2 repeats, 12 new tokens (a smoke test)")
     p.add_argument("--batch-sizes", type=_ints, default=None, help="batch sweep (default 1,2,4,8,16,32)")
@@ -690,7 +885,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="triton sweep: concurrent gRPC streams (default 1,2,4,8,16,32; 2 requests per stream)")
     p.add_argument("--triton-startup-timeout", type=float, default=600.0, help="seconds to wait for tritonserver")
     p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
-    p.add_argument("--silent", action="store_true", help="no progress messages")
+    p.add_argument("--silent", action="store_true", help="no progress messages or progress bar")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.sweeps = [s.strip() for s in args.sweeps.split(",") if s.strip()]
@@ -716,6 +911,10 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"clover.bench: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"clover.bench: interrupted; the samples measured so far, if any, are in {Path(args.output) / SAMPLES_FILE}: "
+              "rerun the same command to resume", file=sys.stderr)
+        return 130
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     (output / "bench.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -146,3 +146,150 @@ def test_triton_sweep_through_the_real_server(engines, tmp_path, monkeypatch):
     assert len({model for model, *_ in served}) == len(METHODS)
     assert "## triton: inter-token latency p50 (ms)" in (out / "bench.md").read_text()
     assert (out / "triton.png").stat().st_size > 5000
+
+
+# -- a killed run resumes -------------------------------------------------------------
+
+from clover import bench as bench_module  # noqa: E402
+from clover.bench import run_key  # noqa: E402
+
+REAL_RUN_DECODE = bench_module.run_decode
+NEW_TOKENS = 6  # the warm-ups decode min(4, NEW_TOKENS) = 4 tokens: that tells them from the measurements
+BATCH_NAMES = ["vanilla", "medusa", "clover", "adaptive-clover", "default-clover"]
+
+
+class Interrupted(Exception):
+    """Stands for the kill of a long run, in place of a measurement."""
+
+
+class RecordedDecodes:
+    """Replaces clover.bench.run_decode and records each call; with ``stop_after`` the measurement after that
+    many raises :class:`Interrupted`."""
+
+    def __init__(self, monkeypatch, stop_after: int | None = None) -> None:
+        self.stop_after = stop_after
+        self.warm_ups = []  # (sweep, name, x)
+        self.measured = []  # (sweep, name, x, repeat): the repeat is run_decode's first prompt
+        self.cost_models = []  # the cost model of every adaptive measurement
+        monkeypatch.setattr(bench_module, "run_decode", self)
+
+    def __call__(self, engine, config, prompts, max_new, cost_model=None, first_prompt=0):
+        if max_new < NEW_TOKENS:
+            self.warm_ups.append((config.sweep, config.name, config.x))
+        elif len(self.measured) == self.stop_after:
+            raise Interrupted
+        else:
+            self.measured.append((config.sweep, config.name, config.x, first_prompt))
+            if config.tree is not None and config.tree.adaptive:
+                self.cost_models.append(cost_model.to_dict())
+        return REAL_RUN_DECODE(engine, config, prompts, max_new, cost_model, first_prompt)
+
+
+def resumable_run(engines, out, *settings: str) -> list[str]:
+    clover, medusa = engines
+    return ["--engine", str(clover), "--medusa-engine", str(medusa), "--output", str(out), "--prompts", "builtin",
+            "--max-new-tokens", str(NEW_TOKENS), "--threads", "1", *settings]
+
+
+def report_keys(out) -> list[tuple]:
+    samples = json.loads((out / "bench.json").read_text())["samples"]
+    return sorted((s["sweep"], s["method"], s["x"], s["repeat"]) for s in samples)
+
+
+def stored_keys(out) -> list[tuple]:
+    lines = (out / "samples.jsonl").read_text().splitlines()
+    return [(s["sweep"], s["method"], s["x"], s["repeat"]) for s in map(json.loads, lines)]
+
+
+def heads_keys(repeats: int) -> list[tuple]:
+    return sorted(("heads", "clover", k, r) for k in (1, 2, 3) for r in range(repeats))
+
+
+def test_a_killed_run_resumes_where_it_stopped(engines, tmp_path, monkeypatch, capsys):
+    import clover.adaptive
+
+    out = tmp_path / "report"
+    command = resumable_run(engines, out, "--sweeps", "batch,heads", "--batch-sizes", "1,2", "--fixed-budgets", "4",
+                            "--adaptive-max-budget", "4", "--repeats", "2")
+    expected = sorted([("batch", name, b, r) for name in BATCH_NAMES for b in (1, 2) for r in (0, 1)]
+                      + heads_keys(2))
+    first = RecordedDecodes(monkeypatch, stop_after=15)  # the batch sweep's repeat 0 and half of its repeat 1
+    with pytest.raises(Interrupted):
+        bench_main(command + ["--silent"])
+    assert len(first.measured) == 15 and stored_keys(out) == first.measured  # each kept as it was measured
+    assert not (out / "bench.json").exists()
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("a resumed run calibrated again")
+
+    monkeypatch.setattr(clover.adaptive, "calibrate", no_calibration)
+    second = RecordedDecodes(monkeypatch)
+    assert bench_main(command) == 0  # not --silent: same run key
+    assert len(second.measured) == len(expected) - 15 and not set(first.measured) & set(second.measured)
+    assert report_keys(out) == expected  # every sample exactly once, old and new
+    # warm-ups: once per configuration measured in this process, none for those the first run finished
+    finished = {k[:3] for k in first.measured if first.measured.count(k[:3] + (1 - k[3],))}
+    assert finished and sorted(second.warm_ups) == sorted({k[:3] for k in second.measured})
+    assert not finished & set(second.warm_ups)
+    # adaptive clover kept the cost model calibrated by the first run
+    assert first.cost_models and second.cost_models
+    assert all(model == first.cost_models[0] for model in first.cost_models + second.cost_models)
+    # the interleaving of both runs together: each repeat of a sweep is repeat 0's order rotated by the repeat
+    measured = first.measured + second.measured
+    for sweep in ("batch", "heads"):
+        order = [[k[1:3] for k in measured if k[0] == sweep and k[3] == r] for r in (0, 1)]
+        assert order[1] == order[0][1:] + order[0][:1]
+    report = json.loads((out / "bench.json").read_text())
+    for entry in report["sweeps"]["batch"]["methods"].values():
+        assert [s["n"] for s in entry["tokens_per_s"]] == [2, 2]
+    err = capsys.readouterr().err
+    assert f"resumed 15 samples from {out / 'samples.jsonl'}; {len(expected) - 15} left to measure" in err
+    assert "heads clover x=3 repeat 1" in err  # the progress bar names what it measures
+
+
+def test_other_settings_need_fresh(engines, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "report"
+    command = resumable_run(engines, out, "--sweeps", "heads", "--silent")
+    RecordedDecodes(monkeypatch, stop_after=2)
+    with pytest.raises(Interrupted):
+        bench_main(command + ["--repeats", "2"])
+    kept = (out / "samples.jsonl").read_bytes()
+    refused = RecordedDecodes(monkeypatch)
+    capsys.readouterr()
+    assert bench_main(command + ["--repeats", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "other settings (different: repeats)" in err and "--fresh" in err and "another --output" in err
+    assert not refused.measured and not refused.warm_ups and (out / "samples.jsonl").read_bytes() == kept
+    fresh = RecordedDecodes(monkeypatch)
+    assert bench_main(command + ["--repeats", "3", "--fresh"]) == 0
+    assert len(fresh.measured) == 9 and report_keys(out) == heads_keys(3) and len(stored_keys(out)) == 9
+    again = RecordedDecodes(monkeypatch)  # all measured: nothing to measure, nothing to warm up
+    assert bench_main(command + ["--repeats", "3"]) == 0
+    assert not again.measured and not again.warm_ups and report_keys(out) == heads_keys(3)
+
+
+def test_a_line_cut_by_the_kill_is_ignored(engines, tmp_path, monkeypatch):
+    out = tmp_path / "report"
+    command = resumable_run(engines, out, "--sweeps", "heads", "--repeats", "2", "--silent")
+    first = RecordedDecodes(monkeypatch, stop_after=3)
+    with pytest.raises(Interrupted):
+        bench_main(command)
+    cut = json.dumps({"sweep": "heads", "x": 1, "method": "clover", "batch": 1, "repeat": 1, "tokens": 6})[:-9]
+    with (out / "samples.jsonl").open("a") as f:
+        f.write(cut)  # the start of the next sample: the kill came while it was written
+    second = RecordedDecodes(monkeypatch)
+    assert bench_main(command) == 0
+    assert ("heads", "clover", 1, 1) in second.measured and len(second.measured) == 6 - 3
+    assert sorted(first.measured + second.measured) == report_keys(out) == heads_keys(2)
+    assert sorted(stored_keys(out)) == heads_keys(2)  # every line of the file whole again
+
+
+def test_run_key_holds_what_changes_the_measurements(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    base = run_key(parse_args(["--engine", "e", "--quick"]))
+    same = ["--engine", str(tmp_path / "e"), "--quick", "--output", "elsewhere", "--silent", "--fresh"]
+    assert run_key(parse_args(same)) == base
+    for change in (["--threads", "2"], ["--repeats", "3"], ["--max-new-tokens", "5"], ["--prompts", "builtin"],
+                   ["--sweeps", "batch"], ["--num-prompts", "3"], ["--medusa-engine", "m"], ["--budget", "2"],
+                   ["--extra-engine", "q8=x"], ["--batch-sizes", "1,2"]):
+        assert run_key(parse_args(["--engine", "e", "--quick", *change])) != base, change

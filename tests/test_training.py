@@ -757,3 +757,72 @@ def test_snapshot_heads_of_a_checkpoint_equal_the_heads_it_finishes_with(tiny, c
         assert torch.equal(value, snap.state_dict()[name]), name
     with pytest.raises(ConfigError, match="not a train.py run"):
         snapshot_heads.snapshot(tmp_path / "snap", tmp_path / "again", target=tiny["target"])
+
+
+# ---------------------------------------------------------------------------
+# draft vocabulary in training (FR-Spec; training/train.py --draft-vocab)
+
+
+def _vocab_subset(tiny, batch) -> torch.Tensor:
+    """A third of the vocabulary, holding most but not all of the batch's tokens (so some labels fall outside)."""
+    vocab = tiny["target"].config.vocab_size
+    present = torch.unique(batch.tokens)
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))
+    kept = torch.cat([present[: int(0.8 * len(present))], order])
+    _, first = np.unique(kept.numpy(), return_index=True)
+    return kept[np.sort(first)][: vocab // 3]
+
+
+@pytest.mark.parametrize("labels", ["soft", "hard"])
+def test_draft_vocab_training_scores_the_full_logits_restricted_to_v_prime(tiny, distilled, labels):
+    """run_batch over a draft vocabulary V' equals the full-vocabulary computation restricted to V' columns:
+    soft labels are the target's softmax over V', hard labels outside V' add no loss and never hit,
+    and the agreement counts the target's full-vocabulary top-1."""
+    target, batch = tiny["target"], greedy_batch(tiny, distilled)
+    weight = target.lm_head.weight.float()
+    full = make_drafter(target, method="clover", num_heads=3, seed=5)
+    ids = _vocab_subset(tiny, batch)
+    assert 0 < int((~torch.isin(batch.tokens[batch.assistant], ids)).sum()), "some labels must fall outside V'"
+    restricted = make_drafter(target, method="clover", num_heads=3, seed=5)
+    train_mod.set_draft_vocab(restricted, ids)
+    weights = [1.0, 0.7, 0.49]
+    stats = train_mod.run_batch(restricted, target, weight, batch, row_chunk=7, weights=weights, train=False,
+                                labels=labels)
+    roots = train_mod.find_roots(batch, 3)
+    counts = roots.valid.sum(0)
+    h_rows = train_mod.compute_h0(full, target, batch)[roots.b, roots.t]
+    loss, hits, agree = 0.0, [0, 0, 0], [0, 0, 0]
+    with torch.no_grad():
+        for i, rows, _, logits in train_mod.head_outputs(full, weight, h_rows, roots.tok_in, roots.valid):
+            label = roots.labels[rows, i]
+            b, p = train_mod.label_source_positions(roots, rows, i)
+            reference = train_mod.target_logits(target, weight, batch.x_last[b, p])
+            sub = logits[:, ids].log_softmax(-1)
+            if labels == "soft":
+                term = -(reference[:, ids].softmax(-1) * sub).sum()
+            else:
+                inside = torch.isin(label, ids)
+                column = (ids[None, :] == label[inside, None]).float().argmax(-1)
+                term = -sub[inside].gather(1, column[:, None]).sum()
+            loss += weights[i] * float(term) / int(counts[i])
+            drafted = ids[sub.argmax(-1)]
+            hits[i] += int((drafted == label).sum())
+            agree[i] += int((drafted == reference.argmax(-1)).sum())
+    assert stats["loss"] == pytest.approx(loss, rel=1e-4)
+    assert stats["hits"][1] == hits and stats["agree"][1] == agree
+
+
+def test_training_with_a_draft_vocab_saves_it_with_the_heads(tiny, distilled, cache_dir, tmp_path):
+    from clover.drafters import draft_vocab_of, save_draft_vocab
+
+    ranking = _vocab_subset(tiny, greedy_batch(tiny, distilled))
+    (tmp_path / "vocab").mkdir()
+    save_draft_vocab(tmp_path / "vocab", ranking)
+    cfg = tiny_config(cache_dir, tmp_path / "run", labels="soft", draft_vocab=str(tmp_path / "vocab"),
+                      draft_vocab_size=40)
+    train_mod.train(cfg, target=tiny["target"])
+    heads = load_drafter(tmp_path / "run", tiny["target"])
+    assert heads.config.draft_vocab_size == 40 and torch.equal(draft_vocab_of(heads), ranking[:40])
+    with pytest.raises(ConfigError, match="other settings"):  # another V' is another run
+        train_mod.train(tiny_config(cache_dir, tmp_path / "run", labels="soft", draft_vocab=str(tmp_path / "vocab"),
+                                    draft_vocab_size=41), target=tiny["target"])

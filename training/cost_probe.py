@@ -97,13 +97,16 @@ def probe(args) -> dict:
     x_in, x_last = online_hidden_states(target, batch.tokens, True, True)
     full = train_mod.Batch(x_in, x_last, batch.tokens, batch.assistant, batch.lengths, batch.categories)
     cfg = train_mod.TrainConfig(method=args.method, cache="-", output="-", num_heads=args.num_heads,
-                                row_chunk=args.row_chunk, autocast=args.autocast, grad_checkpoint=args.grad_checkpoint)
+                                row_chunk=args.row_chunk, autocast=args.autocast, grad_checkpoint=args.grad_checkpoint,
+                                labels=args.labels, draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size)
     trainer = train_mod._Trainer(cfg, target, device)
     roots = int(train_mod.find_roots(full, args.num_heads).valid[:, 0].sum())
     step_s, step_cpu = timed(lambda: trainer.step([full], 1e-4), args.repeats, device)
     layer_params = sum(p.numel() for p in target.layers[0].parameters())
     return {"target": args.shape or args.target, "device": str(device),
             "target_dtype": str(target.lm_head.weight.dtype).removeprefix("torch."), "method": args.method,
+            "labels": args.labels, "draft_vocab_size": args.draft_vocab_size if args.draft_vocab else 0,
+            "autocast": args.autocast,
             "tokens_per_step": tokens,
             "roots_per_step": roots, "target_forward_s": round(target_s, 4),
             "target_tokens_per_s": round(tokens / target_s, 1), "train_step_s": round(step_s, 4),
@@ -132,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row-chunk", type=int, default=1024)
     parser.add_argument("--autocast", choices=("bf16",), default=None)
     parser.add_argument("--grad-checkpoint", action="store_true")
+    parser.add_argument("--labels", choices=train_mod.LABELS, default="hard", help="as train.py --labels")
+    parser.add_argument("--draft-vocab", metavar="DIR", default=None, help="as train.py --draft-vocab")
+    parser.add_argument("--draft-vocab-size", type=int, default=16384, help="as train.py --draft-vocab-size")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", help="also write the JSON here")

@@ -473,7 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--limit", type=int, default=None,
-                        help="only the first N records of --distill (ShareGPT files are in a mixed order)")
+                        help="only the first N records of --distill (after --offset; ShareGPT files are in a "
+                             "mixed order)")
+    parser.add_argument("--offset", type=int, default=0,
+                        help="skip the first N records of --distill: grow the training data in parts, each its own "
+                             "cache, usable once sealed (train.py --cache takes them comma-separated)")
     args = parser.parse_args(argv)
 
     import torch
@@ -499,7 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    records = read_jsonl(args.distill)[: args.limit]
+    records = read_jsonl(args.distill)[args.offset:]
+    records = records[: args.limit] if args.limit is not None else records
+    if not records:
+        parser.error(f"--offset {args.offset}: {args.distill} has no records past it")
     out = build_cache(records, target, args.output, max_len=args.max_len, batch_tokens=args.batch_tokens,
                       dtype=args.dtype, device=device, source=str(args.distill), features=features)
     index = json.loads((out / INDEX_FILE).read_text())

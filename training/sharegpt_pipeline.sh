@@ -2,13 +2,18 @@
 # The ShareGPT pipeline of issue 12 on the demo target, sized for a 2-core CPU
 # (training/README.md#sharegpt). Every stage resumes: rerun the same command.
 #   nice -n 10 bash training/sharegpt_pipeline.sh [data|ablation|main|eval|all] > outputs/logs/pipeline.log 2>&1 &
-# Knobs (environment): TRAIN_RECORDS (teacher-forced ShareGPT records cached, default 1200),
+# Knobs (environment): TRAIN_PARTS (parts of the training cache, default 5: teacher-forced ShareGPT records
+# [0, FIRST_RECORDS=150) in sharegpt-train, then PART_RECORDS=300 more per part in sharegpt-train-K; each part is
+# sealed and usable on its own, so the data grows without redoing what is cached),
 # EVAL_RECORDS (120), ABLATION_TOKENS (30000), ABLATIONS (variants), MAIN_TOKENS (300000), EVAL_EVERY (20),
-# SAVE_EVERY (20), RECIPE (train.py flags of the main runs), MTBENCH_LIMIT (24), BUDGETS (4,8).
+# SAVE_EVERY (20), RECIPE (train.py flags of the main runs: soft labels and the heads' draft vocabulary),
+# METHODS of the main runs (clover medusa), MTBENCH_LIMIT (24), BUDGETS (4,8).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:-all}
-TRAIN_RECORDS=${TRAIN_RECORDS:-1200}
+TRAIN_PARTS=${TRAIN_PARTS:-5}
+FIRST_RECORDS=${FIRST_RECORDS:-150}
+PART_RECORDS=${PART_RECORDS:-300}
 EVAL_RECORDS=${EVAL_RECORDS:-120}
 ABLATION_TOKENS=${ABLATION_TOKENS:-30000}
 MAIN_TOKENS=${MAIN_TOKENS:-300000}
@@ -16,9 +21,13 @@ EVAL_EVERY=${EVAL_EVERY:-20}
 ABLATIONS=${ABLATIONS:-hard soft soft-reg10 soft-reg1}
 MTBENCH_LIMIT=${MTBENCH_LIMIT:-24}
 BUDGETS=${BUDGETS:-4,8}
-RECIPE=${RECIPE:---labels soft --regression-weight 10}
+RECIPE=${RECIPE:---labels soft --draft-vocab clover/assets/smollm2-135m-instruct/clover}
 SG=outputs/data/sharegpt
 CACHE=outputs/data/cache
+part_dir() { if (( $1 == 1 )); then echo $CACHE/sharegpt-train; else echo $CACHE/sharegpt-train-$1; fi; }
+part_range() {  # "offset limit" of part $1
+  if (( $1 == 1 )); then echo "0 $FIRST_RECORDS"; else echo "$(( FIRST_RECORDS + ($1 - 2) * PART_RECORDS )) $PART_RECORDS"; fi; }
+TRAIN_CACHES=$(for k in $(seq 1 "$TRAIN_PARTS"); do part_dir "$k"; done | paste -sd,)
 COMMON="--config training/configs/demo.json --no-progress --eval-cache $CACHE/sharegpt-eval --eval-conversations 80"
 stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
@@ -28,8 +37,12 @@ if [[ $STAGE == data || $STAGE == all ]]; then
   [[ -d engines/demo-features ]] || python training/hidden_cache.py --make-feature-engine engines/demo-features --target demo
   stamp "data: eval cache"
   python training/hidden_cache.py --engine engines/demo-features --distill $SG/teacher_eval.jsonl --limit "$EVAL_RECORDS" --output $CACHE/sharegpt-eval
-  stamp "data: train cache"
-  python training/hidden_cache.py --engine engines/demo-features --distill $SG/teacher_train.jsonl --limit "$TRAIN_RECORDS" --output $CACHE/sharegpt-train
+  for k in $(seq 1 "$TRAIN_PARTS"); do
+    read -r offset limit <<< "$(part_range "$k")"
+    stamp "data: train cache part $k (records $offset..$(( offset + limit )))"
+    python training/hidden_cache.py --engine engines/demo-features --distill $SG/teacher_train.jsonl \
+      --offset "$offset" --limit "$limit" --output "$(part_dir "$k")"
+  done
 fi
 if [[ $STAGE == ablation || $STAGE == all ]]; then
   # the recipe, one change at a time, same data, order and token budget
@@ -44,9 +57,9 @@ if [[ $STAGE == ablation || $STAGE == all ]]; then
   done
 fi
 if [[ $STAGE == main || $STAGE == all ]]; then
-  for method in clover medusa; do
+  for method in ${METHODS:-clover medusa}; do
     stamp "main: $method"
-    python training/train.py $COMMON --method $method --cache $CACHE/sharegpt-train --max-tokens "$MAIN_TOKENS" \
+    python training/train.py $COMMON --method $method --cache "$TRAIN_CACHES" --max-tokens "$MAIN_TOKENS" \
       --epochs 3 --eval-every "$EVAL_EVERY" --save-every "${SAVE_EVERY:-20}" $RECIPE --output outputs/runs/sharegpt-$method
   done
 fi

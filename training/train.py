@@ -73,7 +73,7 @@ if __package__ in (None, ""):
 
 from clover.attention import causal_packed_mask  # noqa: E402
 from clover.config import DRAFTER_METHODS, ConfigError, DrafterConfig  # noqa: E402
-from clover.drafters import Drafter, save_drafter  # noqa: E402
+from clover.drafters import Drafter, draft_vocab_of, read_draft_vocab, save_drafter, set_draft_vocab  # noqa: E402
 from training.distributed import Distributed  # noqa: E402
 from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,  # noqa: E402
                                online_target_dtype, peak_memory_mb, stored_dtype)
@@ -124,6 +124,8 @@ class TrainConfig:
     target_dtype: str = "auto"            # online: auto = fp32 on CPU, the checkpoint's bf16/fp16 on GPU
     grad_accum: int = 1                   # micro-batches per process per step (same weights, less memory)
     grad_checkpoint: bool = False         # recompute the Augmenting Block in the backward pass
+    draft_vocab: str | None = None        # heads directory whose draft_vocab.safetensors the heads score (FR-Spec)
+    draft_vocab_size: int = 16384         # V': that many most frequent ids of it
 
     # fields that may differ between a run and its resumption (none changes the weights beyond float rounding)
     RESUME_FREE = ("save_every", "log_every", "device", "threads", "progress", "output", "cache", "target",
@@ -136,7 +138,10 @@ class TrainConfig:
         return self.labels == "soft" or self.regression_weight > 0
 
     def resume_key(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUME_FREE}
+        key = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUME_FREE}
+        if self.draft_vocab is None:  # full vocabulary: the key of runs from before --draft-vocab existed
+            del key["draft_vocab"], key["draft_vocab_size"]
+        return key
 
 
 class Interrupted(Exception):
@@ -289,15 +294,47 @@ def find_roots(batch: Batch, num_heads: int) -> Roots:
     return Roots(b, t, tokens[b[:, None], in_pos], tokens[b[:, None], lab_pos], valid[b, t])
 
 
+@dataclasses.dataclass
+class DraftRows:
+    """The LM-head rows the heads score: the full vocabulary, or the drafter's draft vocabulary V'
+    (FR-Spec; docs/drafter.md#draft-vocabulary), exactly as the engine's draft step scores them.
+
+    ids: int64 ``[V']`` target ids (None: the full vocabulary); weight ``[V' or V, H]``;
+    column: int64 ``[V]``, a target id's column in the heads' logits, -100 outside V'."""
+
+    ids: torch.Tensor | None
+    weight: torch.Tensor
+    column: torch.Tensor | None
+
+    @classmethod
+    def of(cls, drafter: Drafter, lm_head_weight: torch.Tensor) -> "DraftRows":
+        ids = draft_vocab_of(drafter)
+        if ids is None:
+            return cls(None, lm_head_weight, None)
+        ids = ids.to(lm_head_weight.device)
+        column = torch.full((lm_head_weight.shape[0],), -100, dtype=torch.long, device=ids.device)
+        column[ids] = torch.arange(len(ids), device=ids.device)
+        return cls(ids, lm_head_weight[ids], column)
+
+    def to_target_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Target token ids of logit columns (any shape)."""
+        return columns if self.ids is None else self.ids[columns]
+
+    def to_columns(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logit columns of target token ids; -100 (cross-entropy's ignore index) outside V'."""
+        return token_ids if self.column is None else self.column[token_ids]
+
+
 def head_outputs(drafter: Drafter, lm_head_weight: torch.Tensor, h_rows: torch.Tensor, tok_in: torch.Tensor,
-                 valid: torch.Tensor):
+                 valid: torch.Tensor, scored: torch.Tensor | None = None):
     """Teacher-forced regressive chain, the very ``drafter.step`` calls of inference.
 
     Args:
-        h_rows ``[N, H]``: h0 at the roots; tok_in, valid ``[N, K]``.
+        h_rows ``[N, H]``: h0 at the roots; tok_in, valid ``[N, K]``; scored: the LM-head rows the heads
+            score (:class:`DraftRows`), default all.
     Yields:
-        (head i, row indices ``[n_i]`` into N, feature ``[n_i, H]``, logits ``[n_i, V]``) for the rows whose
-        head-i label is valid (feature: :meth:`clover.drafters.Drafter.step_with_feature`).
+        (head i, row indices ``[n_i]`` into N, feature ``[n_i, H]``, logits ``[n_i, V or V']``) for the rows
+        whose head-i label is valid (feature: :meth:`clover.drafters.Drafter.step_with_feature`).
     """
     rows = torch.arange(h_rows.shape[0], device=h_rows.device)
     hidden = h_rows
@@ -306,7 +343,7 @@ def head_outputs(drafter: Drafter, lm_head_weight: torch.Tensor, h_rows: torch.T
         rows, hidden = rows[keep], hidden[keep]
         if rows.numel() == 0:
             return
-        hidden, feature, logits = drafter.step_with_feature(hidden, tok_in[rows, i], i, lm_head_weight)
+        hidden, feature, logits = drafter.step_with_feature(hidden, tok_in[rows, i], i, lm_head_weight, scored)
         yield i, rows, feature, logits
 
 
@@ -362,35 +399,41 @@ class LossSpec:
         return self.labels == "soft" or self.regression_weight > 0
 
 
-def head_loss(drafter: Drafter, target, lm_head_weight: torch.Tensor, feature: torch.Tensor, logits: torch.Tensor,
-              labels: torch.Tensor, last_hidden: torch.Tensor | None, spec: LossSpec):
-    """(summed loss of one head over its rows, the target's top-1 token or None).
+def head_loss(drafter: Drafter, target, rows: DraftRows, feature: torch.Tensor, logits: torch.Tensor,
+              labels: torch.Tensor, last_hidden: torch.Tensor | None, spec: LossSpec) -> torch.Tensor:
+    """Summed loss of one head over its rows.
 
-    ``last_hidden`` ``[n, H]``: the target's last hidden state at the label source
-    positions (:func:`label_source_positions`); None when neither the loss nor the
-    caller needs it.
+    ``labels``: target token ids ``[n]``; ``last_hidden`` ``[n, H]``: the target's last hidden state at the
+    label source positions (:func:`label_source_positions`), or None when the loss does not read it.
+    With a draft vocabulary V' the soft label is the target's distribution over V' (its logits at those
+    rows, renormalised: EAGLE-3's choice), and a hard label outside V' counts no loss.
     """
     logits = logits.float()
-    if last_hidden is None:
-        return nn.functional.cross_entropy(logits, labels, reduction="sum"), None
-    with torch.no_grad():
-        reference = target_logits(target, lm_head_weight, last_hidden).float()
-    if spec.labels == "soft":
-        loss = soft_cross_entropy(logits, torch.softmax(reference, dim=-1))
+    if last_hidden is None or spec.labels == "hard":
+        loss = nn.functional.cross_entropy(logits, rows.to_columns(labels), reduction="sum", ignore_index=-100)
     else:
-        loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
+        with torch.no_grad():
+            reference = target_logits(target, rows.weight, last_hidden).float()
+        loss = soft_cross_entropy(logits, torch.softmax(reference, dim=-1))
     if spec.regression_weight:
         goal = regression_target(drafter, target, last_hidden).float()
         loss = loss + spec.regression_weight * nn.functional.smooth_l1_loss(
             feature.float(), goal, reduction="none").mean(-1).sum()
-    return loss, reference.argmax(-1)
+    return loss
+
+
+def target_top1(target, lm_head_weight: torch.Tensor, last_hidden: torch.Tensor) -> torch.Tensor:
+    """The target's greedy token ``[n]`` over its full vocabulary: what verification accepts."""
+    with torch.no_grad():
+        return target_logits(target, lm_head_weight, last_hidden).argmax(-1)
 
 
 def _count_hits(stats: dict, head: int, logits: torch.Tensor, labels: torch.Tensor,
-                target_top: torch.Tensor | None) -> None:
-    """Add one head's top-k hits: against the label token, and against the target's top-1 (``agree``) if known."""
+                target_top: torch.Tensor | None, rows: DraftRows) -> None:
+    """Add one head's top-k hits: against the label token, and against the target's top-1 (``agree``) if known.
+    Both are target ids over the full vocabulary, so a token outside the draft vocabulary is a miss."""
     with torch.no_grad():
-        top = logits.topk(max(stats["hits"]), dim=-1).indices
+        top = rows.to_target_ids(logits.topk(max(stats["hits"]), dim=-1).indices)
         for k in stats["hits"]:
             stats["hits"][k][head] += int((top[:, :k] == labels[:, None]).any(-1).sum())
             if target_top is not None:
@@ -421,6 +464,7 @@ def run_batch(drafter: Drafter, target, lm_head_weight: torch.Tensor, batch: Bat
         h0 = compute_h0(drafter, target, batch)
         h_rows = h0[roots.b, roots.t]
     leaf = h_rows.detach().requires_grad_(True) if (train and h_rows.requires_grad) else h_rows
+    scored = DraftRows.of(drafter, lm_head_weight)
     total = 0.0
     for start in range(0, h_rows.shape[0], row_chunk):
         sl = slice(start, start + row_chunk)
@@ -428,12 +472,14 @@ def run_batch(drafter: Drafter, target, lm_head_weight: torch.Tensor, batch: Bat
             loss = leaf.new_zeros(())
             chunk_rows = torch.arange(h_rows.shape[0], device=h_rows.device)[sl]
             for i, rows, feature, logits in head_outputs(drafter, lm_head_weight, leaf[sl], roots.tok_in[sl],
-                                                         roots.valid[sl]):
+                                                         roots.valid[sl], scored.weight):
                 label = roots.labels[sl][rows, i]
                 last_hidden = batch.x_last[label_source_positions(roots, chunk_rows[rows], i)] if read_target else None
-                term, target_top = head_loss(drafter, target, lm_head_weight, feature, logits, label, last_hidden, spec)
+                term = head_loss(drafter, target, scored, feature, logits, label, last_hidden, spec)
                 loss = loss + weights[i] * term / counts[i]
-                _count_hits(stats, i, logits, label, target_top)
+                # training reads only the label hits: the target's own top-1 (a full-vocabulary pass) is for eval
+                target_top = target_top1(target, lm_head_weight, last_hidden) if read_target and not train else None
+                _count_hits(stats, i, logits, label, target_top, scored)
             if train and loss.requires_grad:
                 loss.backward()
         total += float(loss.detach())
@@ -469,7 +515,10 @@ def build_drafter(cfg: TrainConfig, target) -> Drafter:
                            vocab_size=tc.vocab_size, target_num_layers=tc.num_layers,
                            num_attention_heads=decoder_heads, init_noise_std=cfg.init_noise_std,
                            target_architecture=tc.architecture)
-    return Drafter.from_target(config, target, seed=cfg.seed).float()
+    drafter = Drafter.from_target(config, target, seed=cfg.seed).float()
+    if cfg.draft_vocab:
+        set_draft_vocab(drafter, read_draft_vocab(cfg.draft_vocab, cfg.draft_vocab_size))
+    return drafter
 
 
 def _save_atomic(obj, path: Path) -> None:
@@ -861,6 +910,14 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--grad-checkpoint", action="store_true",
                         help="recompute the Augmenting Block in the backward pass instead of storing its "
                              "activations (less memory, one more block forward)")
+    parser.add_argument("--draft-vocab", metavar="DIR", default=None,
+                        help="score only a draft vocabulary V' in the heads' LM head, as the engine's draft step "
+                             "does (FR-Spec): the --draft-vocab-size most frequent ids of DIR's "
+                             "draft_vocab.safetensors (training/draft_vocab.py writes one). The soft label is then "
+                             "the target's distribution over V'; about V/V' times less LM-head work per step. "
+                             "The heads are saved with that vocabulary. Default: the full vocabulary")
+    parser.add_argument("--draft-vocab-size", type=int, default=fields["draft_vocab_size"].default,
+                        help="V' with --draft-vocab (default %(default)s)")
     parser.add_argument("--no-progress", action="store_true")
     if known.config:
         defaults = json.loads(Path(known.config).read_text())
