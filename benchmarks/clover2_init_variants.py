@@ -2,10 +2,11 @@
 
     python benchmarks/clover2_init_variants.py STEPS VARIANT [VARIANT ...]
 
-VARIANT: ``current`` (Clover2Drafter as implemented), ``normed-input`` (the token mixer reads the
-RMS-normalised last hidden state), ``normed-wv-identity`` (that, plus Wv = I + noise), ``wv-identity``,
-``normed-concat`` (normed input, and head 1 reads ``[state; e(root token)]`` through a 2H -> H linear,
-as the deeper heads read theirs). ``--draft-vocab DIR`` trains and scores over that draft vocabulary.
+VARIANT: ``current`` (Clover2Drafter as implemented: the mixer reads the RMS-normalised last hidden state,
+head 1 reads ``[state; e(root token)]``), ``raw-input`` (the mixer reads the raw last hidden state, as in the
+public code), ``state-only-head1`` (head 1 reads the state alone, as in the public code: the embedding half of
+``first_head`` is zero and stays zero), ``public`` (both). ``--draft-vocab DIR`` trains and scores over that
+draft vocabulary (16,384 ids).
 Needs the ShareGPT caches of training/sharegpt_pipeline.sh (outputs/data/cache/sharegpt-{train,eval}).
 Prints, per variant, top-1 against the label and agreement with the target's top-1 on 12 held-out
 conversations.
@@ -16,7 +17,7 @@ from train import run_batch, collate, head_weights, make_plan
 from hidden_cache import HiddenCache
 from clover.demo import resolve_target
 from clover.target import load_target
-from clover.drafters import Drafter, new_drafter_config, RMSNorm, read_draft_vocab, set_draft_vocab
+from clover.drafters import Drafter, new_drafter_config, read_draft_vocab, set_draft_vocab
 torch.set_num_threads(2)
 VOCAB = None
 if "--draft-vocab" in sys.argv:
@@ -32,36 +33,14 @@ eval_batch = collate(eval_cache, list(range(12)), False, True)
 def variant(name):
     torch.manual_seed(0)
     d = Drafter.from_target(new_drafter_config("clover2", 3, target), target).float()
-    if name == "normed-input":
-        norm = RMSNorm(576, 1e-5); norm.requires_grad_(False)
-        inner = d.token_mixer.forward
-        d.token_mixer.forward = lambda h, e: inner(norm(h), e)
-    if name == "normed-wv-identity":
-        norm = RMSNorm(576, 1e-5); norm.requires_grad_(False)
-        inner = d.token_mixer.forward
-        d.token_mixer.forward = lambda h, e: inner(norm(h), e)
+    if name in ("raw-input", "public"):
+        d.input_norm = torch.nn.Identity()
+    if name in ("state-only-head1", "public"):
         with torch.no_grad():
-            d.token_mixer.v_proj.weight.add_(torch.eye(576)); d.rnn.v_proj.weight.add_(torch.eye(576))
-    if name == "normed-concat":
-        norm = RMSNorm(576, 1e-5); norm.requires_grad_(False)
-        inner = d.token_mixer.forward
-        d.token_mixer.forward = lambda h, e: inner(norm(h), e)
-        first = torch.nn.Linear(1152, 576)
-        with torch.no_grad():
-            torch.nn.init.uniform_(first.weight, 0.0, 0.01); torch.nn.init.zeros_(first.bias)
-            first.weight[:, :576].add_(torch.eye(576))
-        d.first_concat = first
-        step = d.step_with_feature
-        def step_with_feature(hidden, token, head, lm_head_weight, output_weight=None):
-            if head != 0:
-                return step(hidden, token, head, lm_head_weight, output_weight)
-            feature = d.first_concat(torch.cat([hidden, lm_head_weight[token]], dim=-1))
-            scored = lm_head_weight if output_weight is None else output_weight
-            return hidden, feature, d.head_norm(feature) @ scored.T
-        d.step_with_feature = step_with_feature
-    if name == "wv-identity":
-        with torch.no_grad():
-            d.token_mixer.v_proj.weight.add_(20 * torch.eye(576)); d.rnn.v_proj.weight.add_(20 * torch.eye(576))
+            d.first_head.weight[:, d.config.hidden_size:].zero_()
+        mask = torch.ones_like(d.first_head.weight)
+        mask[:, d.config.hidden_size:] = 0
+        d.first_head.weight.register_hook(lambda grad: grad * mask)
     if VOCAB is not None:
         set_draft_vocab(d, VOCAB)
     return d

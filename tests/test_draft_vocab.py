@@ -11,8 +11,8 @@ from clover.backends.onnxruntime import OnnxRuntimeEngine
 from clover.backends.torch import DraftStep, TorchEngine
 from clover.config import ConfigError, DrafterConfig, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
-from clover.drafters import (DRAFT_VOCAB_FILE, draft_vocab_of, load_drafter, save_draft_vocab, save_drafter,
-                             set_draft_vocab)
+from clover.drafters import (DRAFT_VOCAB_FILE, draft_vocab_of, load_drafter, read_draft_vocab, save_draft_vocab,
+                             save_drafter, set_draft_vocab)
 from clover.export.builder import build_engine
 from clover.target import load_target
 from tests.conftest import make_drafter, make_target, write_tiny_checkpoint
@@ -254,6 +254,11 @@ def test_tool_ranks_answer_tokens_by_frequency(checkpoint, tmp_path, capsys):
     assert draft_vocab_main(["--data", str(tmp_path / "missing.jsonl"), "--heads", str(tmp_path / "heads"),
                              "--size", "2"]) == 2
     assert "missing.jsonl does not exist" in capsys.readouterr().err
+    # before any heads exist: a plain directory, read back as train.py --draft-vocab reads it
+    assert draft_vocab_main(["--data", str(data), "--output", str(tmp_path / "vocab"), "--size", "2",
+                             "--target", str(checkpoint)]) == 0
+    assert read_draft_vocab(tmp_path / "vocab", 2).tolist() == [9, 7]
+    assert not (tmp_path / "vocab" / "config.json").exists()
 
 
 def _token_id(checkpoint, text: str) -> int:

@@ -94,7 +94,7 @@ def test_onnxruntime_draft_callables_match_torch(checkpoints, engines, arch):
     gen = torch.Generator().manual_seed(7)
     hidden = torch.randn(7, torch_engine.spec.hidden_size, generator=gen)
     token = torch.randint(0, torch_engine.spec.vocab_size, (7,), generator=gen)
-    for head in range(3):  # head 0 reads the state through first_head; deeper heads run the RNN step
+    for head in range(3):  # head 0 reads [state; token embedding] through first_head; deeper heads run the RNN step
         want, got = torch_engine.draft_step(hidden, token, head), ort_engine.draft_step(hidden, token, head)
         torch.testing.assert_close(got.next_hidden, want.next_hidden, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got.topk_logprobs, want.topk_logprobs, rtol=1e-4, atol=1e-4)

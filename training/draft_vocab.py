@@ -2,6 +2,8 @@
 
     python training/draft_vocab.py --data outputs/data/sharegpt/teacher_train.jsonl \\
         --heads outputs/runs/clover --size 16384 --eval outputs/data/sharegpt/teacher_eval.jsonl
+    python training/draft_vocab.py --data outputs/data/distill/train.jsonl --output outputs/data/draft-vocab
+    # then: training/train.py --draft-vocab outputs/data/draft-vocab (heads trained over V')
 
 Counts how often each token id occurs in the training answers, then writes the
 most frequent ones (int64, most frequent first, with their counts) as
@@ -139,20 +141,23 @@ def coverage(ranking: np.ndarray, counts: np.ndarray, sizes) -> dict[int, float]
 
 
 def write_heads_vocab(heads: Path, ranking: np.ndarray, counts: np.ndarray, size: int, keep: int,
-                      sources: list[str]) -> Path:
-    """``draft_vocab.safetensors`` (the ``keep`` most frequent ids and their counts) and ``draft_vocab_size``."""
+                      sources: list[str], has_config: bool = True) -> Path:
+    """``draft_vocab.safetensors`` (the ``keep`` most frequent ids and their counts), and ``draft_vocab_size``
+    in the heads' ``config.json`` when ``has_config`` (else ``heads`` is a plain directory: ``--output``)."""
     import torch
 
     from clover.config import DrafterConfig
     from clover.drafters import CONFIG_FILE, save_draft_vocab
 
-    data = json.loads((heads / CONFIG_FILE).read_text())
-    data["draft_vocab_size"] = size  # only this key changes: the rest of config.json stays as written
-    DrafterConfig.from_dict(data)  # still a valid config
     kept = ranking[:keep]
+    heads.mkdir(parents=True, exist_ok=True)
     path = save_draft_vocab(heads, torch.from_numpy(kept), torch.from_numpy(counts[kept]),
                             {"sources": json.dumps(sources), "tokens_counted": str(int(counts.sum()))})
-    (heads / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    if has_config:
+        data = json.loads((heads / CONFIG_FILE).read_text())
+        data["draft_vocab_size"] = size  # only this key changes: the rest of config.json stays as written
+        DrafterConfig.from_dict(data)  # still a valid config
+        (heads / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
     return path
 
 
@@ -160,8 +165,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", action="append", required=True,
                    help="training text to count: a JSONL file or a hidden-state cache directory (repeatable)")
-    p.add_argument("--heads", required=True,
-                   help="heads directory (config.json, model.safetensors): draft_vocab.safetensors is written there")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--heads",
+                       help="heads directory (config.json, model.safetensors): draft_vocab.safetensors is written "
+                            "there and config.json's draft_vocab_size set")
+    where.add_argument("--output",
+                       help="a directory for draft_vocab.safetensors alone, before any heads exist: train.py "
+                            "--draft-vocab DIR then trains heads over it (the vocabulary size comes from --target)")
     p.add_argument("--size", type=int, default=16384,
                    help="V': tokens the draft step scores by default, set as config.json's draft_vocab_size "
                         "(default: 16384, chosen for the demo target's 49,152 tokens in "
@@ -187,15 +197,22 @@ def main(argv: list[str] | None = None) -> int:
     from clover.config import ConfigError, DrafterConfig
     from clover.drafters import CONFIG_FILE
 
-    heads = Path(args.heads)
+    heads = Path(args.heads or args.output)
     try:
-        vocab_size = DrafterConfig.load(heads / CONFIG_FILE).vocab_size
+        if args.heads:
+            vocab_size = DrafterConfig.load(heads / CONFIG_FILE).vocab_size
+        else:
+            from clover.demo import resolve_target
+            from clover.target import load_target_config
+
+            vocab_size = load_target_config(resolve_target(args.target)).vocab_size
         if args.size > vocab_size:
             raise ConfigError(f"--size {args.size} exceeds the heads' vocabulary of {vocab_size}")
         counts = count_tokens(args.data, vocab_size, args.count_prompts, args.target)
         ranking = rank_tokens(counts)
         keep = min(args.keep or args.size or int((counts > 0).sum()) or 1, vocab_size)
-        path = write_heads_vocab(heads, ranking, counts, args.size, keep, [str(d) for d in args.data])
+        path = write_heads_vocab(heads, ranking, counts, args.size, keep, [str(d) for d in args.data],
+                                 has_config=bool(args.heads))
         sizes = sorted({s for s in (*REPORT_SIZES, args.size) if 0 < s <= vocab_size})
         report = {"tokens_counted": int(counts.sum()), "distinct_tokens": int((counts > 0).sum()),
                   "stored": keep, "draft_vocab_size": args.size,
@@ -207,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draft_vocab: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=1))
-    print(f"wrote {path} ({keep} ids); {heads / CONFIG_FILE}: draft_vocab_size = {args.size}", file=sys.stderr)
+    print(f"wrote {path} ({keep} ids)" + (f"; {heads / CONFIG_FILE}: draft_vocab_size = {args.size}" if args.heads
+                                          else ""), file=sys.stderr)
     return 0
 
 

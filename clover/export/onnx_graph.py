@@ -417,8 +417,8 @@ def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: 
 def export_clover2_draft_step(target: LlamaTarget, drafter, path: Path, top_k: int, dtype: str = "fp32") -> dict:
     """Write Clover-2's ``draft_step.onnx`` (:meth:`clover.drafters.Clover2Drafter.step`; docs/drafter.md#clover-2).
 
-    Head 0 reads the root state through ``first_head``; deeper heads mix the node's token into the state
-    (``rnn``) and read ``[state; token embedding]`` through ``rnn_head``. The graph computes both and
+    Head 0 reads ``[root state; root token embedding]`` through ``first_head``; deeper heads mix the node's
+    token into the state (``rnn``) and read ``[state; token embedding]`` through ``rnn_head``. The graph computes both and
     selects on ``head == 0`` (``Where``), as the torch step does for a tensor head, so one graph serves
     every depth without control flow.
     """
@@ -435,7 +435,8 @@ def export_clover2_draft_step(target: LlamaTarget, drafter, path: Path, top_k: i
     deeper_hidden = g.op("Add", "hidden", update)
     deeper = g.linear(g.op("Concat", deeper_hidden, embedding, axis=-1), drafter.rnn_head, "rnn_head")
     first = g.op("Equal", "head", g.const(0, np.int64))  # scalar bool: broadcast by Where
-    feature = g.op("Where", first, g.linear("hidden", drafter.first_head, "first_head"), deeper)
+    head0 = g.linear(g.op("Concat", "hidden", embedding, axis=-1), drafter.first_head, "first_head")
+    feature = g.op("Where", first, head0, deeper)
     g.op("Where", first, "hidden", deeper_hidden, outputs=["next_hidden"])
     logits = g.op("MatMul", g.rms_norm(feature, drafter.head_norm, "head_norm"), lm_head_t)
     if g.onnx_dtype != TensorProto.FLOAT:
@@ -468,7 +469,8 @@ def export_draft_prefill(target: LlamaTarget, drafter, path: Path, dtype: str = 
     """Write ``draft_prefill.onnx`` (+ ``.data``): Clover-2's token-aware Augmenting Block over the newly accepted
     positions, with its own KV cache (engine contract v2; :class:`clover.backends.torch.DraftPrefill`).
 
-    The target's hidden state with the token after each position mixed in (``token_mixer``), then
+    The target's hidden state, RMS-normalised (``input_norm``), with the token after each position mixed in
+    (``token_mixer``), then
     ``block_layers`` decoder layers written like the target's (``clover.TreeAttention`` nodes with
     ``attention="plugin"``; the cache inputs are ``draft_past_*``), then ``block_norm``: the output ``state``.
     Returns the tensor table for ``engine.json``.
@@ -483,9 +485,10 @@ def export_draft_prefill(target: LlamaTarget, drafter, path: Path, dtype: str = 
     shared, rope = _attention_setup(g, cfg, attention, names, max_positions)
     embedding = g.op("Gather", g.weight("lm_head.weight", target.lm_head.weight), "next_token", axis=0)  # [B, T, H]
     mixer = drafter.token_mixer
-    update = _cosine_gate(g, g.rms_norm("hidden", mixer.norm, "token_mixer.norm"), embedding, mixer, "token_mixer",
+    normed = g.rms_norm("hidden", drafter.input_norm, "input_norm")
+    update = _cosine_gate(g, g.rms_norm(normed, mixer.norm, "token_mixer.norm"), embedding, mixer, "token_mixer",
                           mixer.num_heads, cfg.hidden_size, mixer.eps, rank=3)
-    x = g.op("Add", "hidden", update)
+    x = g.op("Add", normed, update)
     for i, layer in enumerate(drafter.block):
         x = _decoder_layer(g, layer, f"block.{i}", x, rope, cache_names[2 * i], cache_names[2 * i + 1],
                            present_names[2 * i], present_names[2 * i + 1], cfg, attention, shared, names)
