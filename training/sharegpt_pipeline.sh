@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The ShareGPT pipeline of issue 12 on the demo target, sized for a 2-core CPU
 # (training/README.md#sharegpt). Every stage resumes: rerun the same command.
-#   nice -n 10 bash training/sharegpt_pipeline.sh [data|ablation|main|eval|all] > outputs/logs/pipeline.log 2>&1 &
+#   nice -n 10 bash training/sharegpt_pipeline.sh [data|distill|ablation|main|eval|all] > outputs/logs/pipeline.log 2>&1 &
 # Knobs (environment): TRAIN_PARTS (parts of the training cache, default 5: teacher-forced ShareGPT records
 # [0, FIRST_RECORDS=150) in sharegpt-train, then PART_RECORDS=300 more per part in sharegpt-train-K; each part is
 # sealed and usable on its own, so the data grows without redoing what is cached),
 # EVAL_RECORDS (120), ABLATION_TOKENS (30000), ABLATIONS (variants), MAIN_TOKENS (300000), EVAL_EVERY (20),
 # SAVE_EVERY (20), RECIPE (train.py flags of the main runs: soft labels and the heads' draft vocabulary),
-# METHODS of the main runs (clover medusa), MTBENCH_LIMIT (24), BUDGETS (4,8).
+# METHODS of the main runs (clover medusa), MTBENCH_LIMIT (24), BUDGETS (4,8),
+# DISTILL_PROMPTS (4000: ShareGPT training prompts the target answers itself in the distill stage).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:-all}
+DISTILL_PROMPTS=${DISTILL_PROMPTS:-4000}
 TRAIN_PARTS=${TRAIN_PARTS:-5}
 FIRST_RECORDS=${FIRST_RECORDS:-150}
 PART_RECORDS=${PART_RECORDS:-300}
@@ -43,6 +45,14 @@ if [[ $STAGE == data || $STAGE == all ]]; then
     python training/hidden_cache.py --engine engines/demo-features --distill $SG/teacher_train.jsonl \
       --offset "$offset" --limit "$limit" --output "$(part_dir "$k")"
   done
+fi
+if [[ $STAGE == distill ]]; then
+  # (a) of issue 12: the target's own answers to the ShareGPT training prompts (what greedy decoding
+  # produces, hence what the heads must predict on MT-bench); resumable, extend with a larger DISTILL_PROMPTS
+  [[ -d engines/demo ]] || python export/build_engine.py --target demo --output engines/demo
+  stamp "distill: $DISTILL_PROMPTS ShareGPT prompts"
+  python training/distill.py --prompts $SG/prompts_train.jsonl --output $SG/distill_train.jsonl --engine engines/demo \
+    --limit "$DISTILL_PROMPTS" --batch-size 16 --max-new-tokens 256
 fi
 if [[ $STAGE == ablation || $STAGE == all ]]; then
   # the recipe, one change at a time, same data, order and token budget
