@@ -406,11 +406,16 @@ def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: 
             next_hidden = g.op("Add", hidden, update)
         g.op("Identity", next_hidden, outputs=["next_hidden"])
         logits = g.op("MatMul", g.rms_norm(res_block(next_hidden), drafter.head_norm, "head_norm"), lm_head_t)
+    return _save_draft_step(g, logits, top_k, vocab, "clover_draft_step", inputs, outputs, path)
+
+
+def _save_draft_step(g: GraphWriter, logits: str, top_k: int, vocab, name: str, inputs, outputs, path) -> dict:
+    """Every draft step's ending: fp32 logits, their top-k (:func:`draft_topk`), the graph written to ``path``;
+    returns the tensor table for ``engine.json``."""
     if g.onnx_dtype != TensorProto.FLOAT:
         logits = g.op("Cast", logits, to=TensorProto.FLOAT)
     draft_topk(g, logits, top_k, vocab)
-    graph = helper.make_graph(g.nodes, "clover_draft_step", inputs, outputs, g.initializers)
-    _save(g, graph, Path(path))
+    _save(g, helper.make_graph(g.nodes, name, inputs, outputs, g.initializers), Path(path))
     return {"inputs": _describe(inputs), "outputs": _describe(outputs)}
 
 
@@ -439,12 +444,7 @@ def export_clover2_draft_step(target: LlamaTarget, drafter, path: Path, top_k: i
     feature = g.op("Where", first, head0, deeper)
     g.op("Where", first, "hidden", deeper_hidden, outputs=["next_hidden"])
     logits = g.op("MatMul", g.rms_norm(feature, drafter.head_norm, "head_norm"), lm_head_t)
-    if g.onnx_dtype != TensorProto.FLOAT:
-        logits = g.op("Cast", logits, to=TensorProto.FLOAT)
-    draft_topk(g, logits, top_k, vocab)
-    graph = helper.make_graph(g.nodes, "clover2_draft_step", inputs, outputs, g.initializers)
-    _save(g, graph, Path(path))
-    return {"inputs": _describe(inputs), "outputs": _describe(outputs)}
+    return _save_draft_step(g, logits, top_k, vocab, "clover2_draft_step", inputs, outputs, path)
 
 
 def _draft_prefill_io(g: GraphWriter, cfg, num_draft_kv_layers: int) -> tuple[list, list]:
