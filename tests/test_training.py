@@ -826,3 +826,17 @@ def test_training_with_a_draft_vocab_saves_it_with_the_heads(tiny, distilled, ca
     with pytest.raises(ConfigError, match="other settings"):  # another V' is another run
         train_mod.train(tiny_config(cache_dir, tmp_path / "run", labels="soft", draft_vocab=str(tmp_path / "vocab"),
                                     draft_vocab_size=41), target=tiny["target"])
+
+
+def test_init_starts_from_trained_heads(tiny, cache_dir, tmp_path):
+    """--init: a run with learning rate 0 ends with exactly the heads it started from; a fresh run does not."""
+    train_mod.train(tiny_config(cache_dir, tmp_path / "first"), target=tiny["target"])
+    train_mod.train(tiny_config(cache_dir, tmp_path / "again", lr=0.0, init=str(tmp_path / "first")),
+                    target=tiny["target"])
+    train_mod.train(tiny_config(cache_dir, tmp_path / "fresh", lr=0.0), target=tiny["target"])
+    assert train_mod.run_digest(tmp_path / "again") == train_mod.run_digest(tmp_path / "first")
+    assert train_mod.run_digest(tmp_path / "fresh") != train_mod.run_digest(tmp_path / "first")
+    assert tiny_config(cache_dir, tmp_path, init="x").resume_key()["init"] == "x"
+    with pytest.raises(ConfigError, match="--init"):  # other heads than the run trains
+        train_mod.train(tiny_config(cache_dir, tmp_path / "medusa", method="medusa", init=str(tmp_path / "first")),
+                        target=tiny["target"])

@@ -73,7 +73,8 @@ if __package__ in (None, ""):
 
 from clover.attention import causal_packed_mask  # noqa: E402
 from clover.config import DRAFTER_METHODS, ConfigError, DrafterConfig  # noqa: E402
-from clover.drafters import Drafter, draft_vocab_of, read_draft_vocab, save_drafter, set_draft_vocab  # noqa: E402
+from clover.drafters import (Drafter, draft_vocab_of, load_drafter, read_draft_vocab, save_drafter,  # noqa: E402
+                             set_draft_vocab)
 from training.distributed import Distributed  # noqa: E402
 from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,  # noqa: E402
                                online_target_dtype, peak_memory_mb, stored_dtype)
@@ -126,6 +127,7 @@ class TrainConfig:
     grad_checkpoint: bool = False         # recompute the Augmenting Block in the backward pass
     draft_vocab: str | None = None        # heads directory whose draft_vocab.safetensors the heads score (FR-Spec)
     draft_vocab_size: int = 16384         # V': that many most frequent ids of it
+    init: str | None = None               # heads directory to start from (fine-tuning) instead of a fresh init
 
     # fields that may differ between a run and its resumption (none changes the weights beyond float rounding)
     RESUME_FREE = ("save_every", "log_every", "device", "threads", "progress", "output", "cache", "target",
@@ -141,6 +143,8 @@ class TrainConfig:
         key = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUME_FREE}
         if self.draft_vocab is None:  # full vocabulary: the key of runs from before --draft-vocab existed
             del key["draft_vocab"], key["draft_vocab_size"]
+        if self.init is None:  # likewise for runs from before --init
+            del key["init"]
         return key
 
 
@@ -516,9 +520,27 @@ def build_drafter(cfg: TrainConfig, target) -> Drafter:
                            num_attention_heads=decoder_heads, init_noise_std=cfg.init_noise_std,
                            target_architecture=tc.architecture)
     drafter = Drafter.from_target(config, target, seed=cfg.seed).float()
+    if cfg.init:
+        _load_init_weights(drafter, cfg.init, target)
     if cfg.draft_vocab:
         set_draft_vocab(drafter, read_draft_vocab(cfg.draft_vocab, cfg.draft_vocab_size))
     return drafter
+
+
+def _load_init_weights(drafter: Drafter, directory: str, target) -> None:
+    """Start from trained heads (``--init``): same method and shape, checked against the target's fingerprint.
+
+    Only the weights are taken; the draft vocabulary is the run's own (``--draft-vocab``), since the heads'
+    parameters do not depend on it (their LM head is the target's, docs/drafter.md#draft-vocabulary).
+    """
+    start = load_drafter(directory, target, draft_vocab_size=0)
+    if (start.config.method, start.config.num_heads) != (drafter.config.method, drafter.config.num_heads):
+        raise ConfigError(f"--init {directory}: {start.config.num_heads} {start.config.method} heads, but this run "
+                          f"trains {drafter.config.num_heads} {drafter.config.method} heads")
+    try:
+        drafter.load_state_dict({k: v.float() for k, v in start.state_dict().items()})
+    except RuntimeError as exc:
+        raise ConfigError(f"--init {directory}: its weights do not fit this run's heads ({exc})") from exc
 
 
 def _save_atomic(obj, path: Path) -> None:
@@ -918,6 +940,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                              "The heads are saved with that vocabulary. Default: the full vocabulary")
     parser.add_argument("--draft-vocab-size", type=int, default=fields["draft_vocab_size"].default,
                         help="V' with --draft-vocab (default %(default)s)")
+    parser.add_argument("--init", metavar="DIR", default=None,
+                        help="start from these trained heads (a directory save_drafter or a run wrote, e.g. "
+                             "clover/assets/smollm2-135m-instruct/clover) instead of a fresh initialisation: "
+                             "fine-tuning on new data. Same method and number of heads; the run's own "
+                             "--draft-vocab applies. Default: a fresh initialisation")
     parser.add_argument("--no-progress", action="store_true")
     if known.config:
         defaults = json.loads(Path(known.config).read_text())
