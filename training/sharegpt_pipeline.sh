@@ -8,7 +8,9 @@
 # EVAL_RECORDS (120), ABLATION_TOKENS (30000), ABLATIONS (variants), MAIN_TOKENS (300000), EVAL_EVERY (20),
 # SAVE_EVERY (20), RECIPE (train.py flags of the main runs: soft labels and the heads' draft vocabulary),
 # METHODS of the main runs (clover medusa), MTBENCH_LIMIT (24), BUDGETS (4,8),
-# DISTILL_PROMPTS (4000: ShareGPT training prompts the target answers itself in the distill stage).
+# DISTILL_PROMPTS (4000: ShareGPT training prompts the target answers itself in the distill stage),
+# DISTILL_PART_RECORDS (400: distilled answers per cache part, sharegpt-distill-K; only complete parts are cached),
+# FINETUNE_INIT (heads the finetune stage starts from: the shipped Clover heads), FINETUNE_EPOCHS (2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:-all}
@@ -53,6 +55,26 @@ if [[ $STAGE == distill ]]; then
   stamp "distill: $DISTILL_PROMPTS ShareGPT prompts"
   python training/distill.py --prompts $SG/prompts_train.jsonl --output $SG/distill_train.jsonl --engine engines/demo \
     --limit "$DISTILL_PROMPTS" --batch-size 16 --max-new-tokens 256
+fi
+if [[ $STAGE == distill-cache ]]; then
+  # the distilled answers' hidden states, in sealed parts of DISTILL_PART_RECORDS records (the file still grows)
+  part=${DISTILL_PART_RECORDS:-400}
+  records=$(wc -l < $SG/distill_train.jsonl)
+  for k in $(seq 1 $(( records / part ))); do
+    stamp "distill-cache: part $k (records $(( (k - 1) * part ))..$(( k * part )))"
+    python training/hidden_cache.py --engine engines/demo-features --distill $SG/distill_train.jsonl \
+      --offset $(( (k - 1) * part )) --limit "$part" --output $CACHE/sharegpt-distill-$k
+  done
+fi
+if [[ $STAGE == finetune ]]; then
+  # fine-tune trained heads (--init) on the target's own answers (every cached distill part) and the ShareGPT
+  # answers it was not trained on, with the main runs' recipe
+  distilled=$(ls -d $CACHE/sharegpt-distill-* | sort -V | paste -sd,)
+  stamp "finetune: ${FINETUNE_METHOD:-clover} from ${FINETUNE_INIT:-clover/assets/smollm2-135m-instruct/clover}"
+  python training/train.py $COMMON --method "${FINETUNE_METHOD:-clover}" --cache "$distilled${FINETUNE_EXTRA:+,$FINETUNE_EXTRA}" \
+    --init "${FINETUNE_INIT:-clover/assets/smollm2-135m-instruct/clover}" --epochs "${FINETUNE_EPOCHS:-2}" \
+    --lr "${FINETUNE_LR:-0.0005}" --eval-every "$EVAL_EVERY" --save-every "${SAVE_EVERY:-20}" $RECIPE \
+    --output "${FINETUNE_OUTPUT:-outputs/runs/finetune-clover}"
 fi
 if [[ $STAGE == ablation || $STAGE == all ]]; then
   # the recipe, one change at a time, same data, order and token budget
