@@ -163,6 +163,48 @@ def test_plugin_variant_graph(checkpoints, tmp_path):
         OnnxRuntimeEngine(engine_dir)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_plugin_variant_graph_computes_the_torch_target(checkpoints, arch, tmp_path):
+    """The --attention plugin graph (what TensorRT builds) run by onnx's reference evaluator, its TreeAttention
+    nodes by the reference op clover.attention.tree_attention: the same logits and h0 as the torch engine, for
+    mixed past lengths and a random tree mask. Everything but the plugin kernel is so checked without TensorRT."""
+    import numpy as np
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.op_run import OpRun
+
+    from clover.attention import tree_attention
+
+    class TreeAttention(OpRun):
+        op_domain = "clover"
+
+        def _run(self, q, k, v, past_k, past_v, lengths, mask, **attrs):
+            inputs = [torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v, past_k, past_v, lengths, mask)]
+            return (tree_attention(*inputs, scale=self.scale).numpy(),)
+
+    target = load_target(checkpoints[arch])
+    save_drafter(make_drafter(target, method="clover", num_heads=3), tmp_path / "heads")
+    engine_dir = build_engine(tmp_path / "plugin", str(checkpoints[arch]), str(tmp_path / "heads"),
+                              attention="plugin", max_seq=256, **quiet)
+    torch_engine = TorchEngine(target, load_drafter(tmp_path / "heads", target), max_seq_len=256)
+    spec, gen = torch_engine.spec, torch.Generator().manual_seed(0)
+    batch, tokens, past = 3, 37, torch.tensor([0, 5, 19], dtype=torch.int32)
+    ids = torch.randint(0, spec.vocab_size, (batch, tokens), generator=gen)
+    positions = past[:, None].long() + torch.randint(0, 4, (batch, tokens), generator=gen)
+    visible = (torch.rand(batch, tokens, tokens, generator=gen) > 0.5).tril() | torch.eye(tokens, dtype=torch.bool)
+    shape = (batch, spec.num_kv_heads, 64, spec.head_dim)
+    k_cache = [torch.randn(shape, generator=gen) for _ in range(spec.num_kv_layers)]
+    v_cache = [torch.randn(shape, generator=gen) for _ in range(spec.num_kv_layers)]
+    want = torch_engine.target(ids, positions, past, pack_mask(visible), k_cache, v_cache)
+    feeds = {"input_ids": ids.numpy(), "position_ids": positions.numpy(), "past_lengths": past.numpy(),
+             "spec_decoding_packed_mask": pack_mask(visible).numpy()}
+    for i in range(spec.num_kv_layers):
+        feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = k_cache[i].numpy(), v_cache[i].numpy()
+    model = onnx.load(str(engine_dir / "target.onnx"))
+    logits, h0 = ReferenceEvaluator(model, new_ops=[TreeAttention]).run(["logits", "h0"], feeds)
+    torch.testing.assert_close(torch.from_numpy(logits), want.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(h0), want.h0, rtol=1e-4, atol=1e-4)
+
+
 def test_failed_build_leaves_nothing_behind(checkpoints, tmp_path, monkeypatch):
     import clover.export.onnx_graph as onnx_graph
 
