@@ -23,8 +23,8 @@ from clover.stats import tokens_per_step
 from clover.config import ConfigError, SamplingConfig, TreeConfig
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
-from clover.host_ops import take_rows
-from clover.tree import TokenTree, draft_tree_batch, root_batch
+from clover.host_ops import as_numpy, cpu_tensor, take_rows
+from clover.tree import TreeBatch, draft_tree_batch, root_batch
 from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
 
 METHODS = ("vanilla", "medusa", "clover", "clover2")
@@ -102,12 +102,13 @@ class SequenceStats:
     depth_tried: list[int] = dataclasses.field(default_factory=list)
     depth_accepted: list[int] = dataclasses.field(default_factory=list)
 
-    def record(self, tree: TokenTree, accepted: Accepted) -> tuple[int, int]:
-        """Count one decode step; returns its (draft tokens proposed, draft tokens accepted)."""
+    def record(self, tree_size: int, depth_reached: int, accepted: Accepted) -> tuple[int, int]:
+        """Count one decode step of a ``tree_size``-node tree reaching depth ``depth_reached``; returns its
+        (draft tokens proposed, draft tokens accepted)."""
         self.num_steps += 1
-        drafted = len(tree) - 1
+        drafted = tree_size - 1
         self.num_draft_tokens += drafted
-        depth_reached, accepted_depth = max(tree.depths), len(accepted.path) - 1
+        accepted_depth = len(accepted.path) - 1
         self.accepted_per_step.append(accepted_depth)
         for d in range(depth_reached):
             if d == len(self.depth_tried):
@@ -415,7 +416,7 @@ class SpeculativeDecoder:
     def _decode_step(self) -> list[StepEvent]:
         seqs = self._running
         # a sequence whose next tree could overflow the cache ends here
-        full = [i for i, length in enumerate(self.cache.lengths.tolist())
+        full = [i for i, length in enumerate(self.cache.lengths_array.tolist())
                 if length + self._max_step_tokens > self.cache.max_seq_len]
         events = []
         for i in full:
@@ -435,37 +436,45 @@ class SpeculativeDecoder:
         else:  # every sequence's tree at once, as buffers (docs/trees.md#host-work-per-step)
             batch = draft_tree_batch(self.engine.draft_step, torch.stack([s.root_hidden for s in seqs]), roots,
                                      tree, self.engine.spec.num_draft_heads)
-        trees = batch.trees()
-        past = self.cache.lengths.clone()
+        past = self.cache.lengths_array.copy()  # int32 [n]; NumPy: docs/trees.md#host-work-per-step
         k_cache, v_cache = self.cache.views()
-        result = self.engine.target(batch.input_ids, past[:, None].long() + batch.position_offsets, past,
-                                    batch.packed_mask, k_cache, v_cache)
-        accepted = greedy_accept(result.logits, batch)
-        for i, seq in enumerate(seqs):
-            if not seq.request.sampling.greedy:
-                accepted[i] = sampling_accept(result.logits[i], trees[i], seq.request.sampling, seq.generator)
+        result = self.engine.target(batch.input_ids, torch.from_numpy(past[:, None] + as_numpy(batch.position_offsets)),
+                                    torch.from_numpy(past), batch.packed_mask, k_cache, v_cache)
+        accepted = self._accept(seqs, result.logits, batch)
         if self.adaptive is not None:
             self.adaptive.observe(tree.budget, [len(a.path) - 1 for a in accepted])
 
         width = max(len(a.path) for a in accepted)
-        source = torch.tensor([a.path + [0] * (width - len(a.path)) for a in accepted])
-        self.cache.commit(result.present_keys, result.present_values, source,
-                          torch.tensor([len(a.path) for a in accepted]))
+        source = cpu_tensor([a.path + [0] * (width - len(a.path)) for a in accepted])
+        self.cache.commit(result.present_keys, result.present_values, source, cpu_tensor([len(a.path) for a in accepted]))
         # the next roots' states: h0 at each deepest accepted node, one gather for the batch [n, H]
         # (clover2 takes them from its draft_prefill below instead)
         root_from_h0 = self.method != "vanilla" and self.draft_cache is None
         if root_from_h0:
             root_hidden = take_rows(result.h0.flatten(0, 1), [i * result.h0.shape[1] + a.path[-1]
                                                               for i, a in enumerate(accepted)])
+        sizes, depths = batch.tree_sizes().tolist(), as_numpy(batch.position_offsets).max(1).tolist()
+        root_rows = root_hidden.unbind(0) if root_from_h0 else ()  # one op for all rows, not one per row
         for i, (seq, acc) in enumerate(zip(seqs, accepted)):
-            step_counts = seq.stats.record(trees[i], acc)
+            step_counts = seq.stats.record(sizes[i], depths[i], acc)
             seq.root_token = acc.tokens[-1]
             if root_from_h0:
-                seq.root_hidden = root_hidden[i]
+                seq.root_hidden = root_rows[i]
             events.append(self._event(seq, seq.emit(acc.tokens), step_counts))
         self._draft_after_step(seqs, result.h0, accepted)
         self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
         return events
+
+    @staticmethod
+    def _accept(seqs: list[_Sequence], logits: torch.Tensor, batch: TreeBatch) -> list[Accepted]:
+        """Each sequence's accepted path: greedy for the whole batch, then tree speculative sampling for the
+        sequences that sample (only they need the trees as :class:`~clover.tree.TokenTree` objects)."""
+        accepted = greedy_accept(logits, batch)
+        sampled = [i for i, seq in enumerate(seqs) if not seq.request.sampling.greedy]
+        trees = batch.trees() if sampled else []
+        for i in sampled:
+            accepted[i] = sampling_accept(logits[i], trees[i], seqs[i].request.sampling, seqs[i].generator)
+        return accepted
 
     # -- clover2: the drafter's own KV cache (docs/engine-contract.md#version-2-draft_prefill) --
 

@@ -348,9 +348,13 @@ class TreeBatch:
     valid: torch.Tensor
     sizes: torch.Tensor | None = None  # None: counted from ``valid``
 
+    def tree_sizes(self) -> torch.Tensor:
+        """int64 ``[B]``: nodes per tree."""
+        return self.sizes if self.sizes is not None else self.valid.sum(1)
+
     def trees(self) -> list[TokenTree]:
         """One :class:`TokenTree` per sequence (the buffers without their padding)."""
-        sizes = (self.sizes if self.sizes is not None else self.valid.sum(1)).tolist()
+        sizes = self.tree_sizes().tolist()
         tokens, parents, depths = self.input_ids.tolist(), self.parents.tolist(), self.position_offsets.tolist()
         return [TokenTree(t[:n], p[:n], d[:n]) for t, p, d, n in zip(tokens, parents, depths, sizes)]
 

@@ -120,7 +120,7 @@ class OnnxRuntimeEngine:
         if self.draft_session is None:
             raise RuntimeError("this engine was built without a drafter; use method 'vanilla'")
         feeds = {"hidden": hidden.contiguous().numpy(), "token": token.contiguous().numpy(),
-                 "head": torch.tensor(head, dtype=torch.long).numpy()}
+                 "head": np.array(head, dtype=np.int64)}
         next_hidden, logprobs, ids = self._run(self.draft_session, list(DRAFT_OUTPUTS), feeds)
         return DraftResult(torch.from_numpy(next_hidden), torch.from_numpy(logprobs), torch.from_numpy(ids))
 
