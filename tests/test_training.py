@@ -823,6 +823,8 @@ def test_training_with_a_draft_vocab_saves_it_with_the_heads(tiny, distilled, ca
     train_mod.train(cfg, target=tiny["target"])
     heads = load_drafter(tmp_path / "run", tiny["target"])
     assert heads.config.draft_vocab_size == 40 and torch.equal(draft_vocab_of(heads), ranking[:40])
+    saved = (tmp_path / "run" / "draft_vocab.safetensors").read_bytes()
+    assert saved == (tmp_path / "vocab" / "draft_vocab.safetensors").read_bytes()  # the ranking kept whole
     with pytest.raises(ConfigError, match="other settings"):  # another V' is another run
         train_mod.train(tiny_config(cache_dir, tmp_path / "run", labels="soft", draft_vocab=str(tmp_path / "vocab"),
                                     draft_vocab_size=41), target=tiny["target"])

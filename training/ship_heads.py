@@ -83,8 +83,8 @@ def starting_point_section(init: str, init_card: str) -> list[str]:
         if keep:
             kept.append("#" + line if line.startswith("#") else line)
     return ["## Starting point", "",
-            f"These heads were fine-tuned from `{init}` (`train.py --init`): the training above continued "
-            "those heads. How they were trained:", "", *kept, ""]
+            f"These heads were fine-tuned from `{init}` (`train.py --init`; where that is this folder, the heads "
+            "it held before): the training above continued those heads. How they were trained:", "", *kept, ""]
 
 
 def model_card(name: str, summary: dict, data: dict | None, report: dict | None, commands: str | None,

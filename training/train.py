@@ -60,6 +60,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -73,7 +74,7 @@ if __package__ in (None, ""):
 
 from clover.attention import causal_packed_mask  # noqa: E402
 from clover.config import DRAFTER_METHODS, ConfigError, DrafterConfig  # noqa: E402
-from clover.drafters import (Drafter, draft_vocab_of, load_drafter, read_draft_vocab, save_drafter,  # noqa: E402
+from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, draft_vocab_of, load_drafter, read_draft_vocab, save_drafter,  # noqa: E402
                              set_draft_vocab)
 from training.distributed import Distributed  # noqa: E402
 from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,  # noqa: E402
@@ -696,6 +697,8 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
     summary = None
     if dist.is_main:
         save_drafter(trainer.drafter.cpu().eval(), out, dtype=torch.float16)
+        if cfg.draft_vocab:  # the whole ranking, counts and provenance: the heads use its first draft_vocab_size ids
+            shutil.copyfile(Path(cfg.draft_vocab) / DRAFT_VOCAB_FILE, out / DRAFT_VOCAB_FILE)
         summary = _summary(cfg, cache, plan, progress, device, out / LOG_FILE, dist.world_size)
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return dist.broadcast(summary)
