@@ -270,20 +270,26 @@ def _token_id(checkpoint, text: str) -> int:
 
 def test_a_demo_engine_without_the_shipped_vocabulary_is_rebuilt(tmp_path):
     """``clover serve --demo`` / ``clover generate`` rebuild engines/demo when its draft vocabulary is not the
-    shipped heads' default (an engine built before the vocabulary shipped)."""
+    shipped heads' default (an engine built before the vocabulary shipped), or its heads' weights are not the
+    shipped ones (heads updated since the build)."""
     from clover.adaptive import CostModel
     from clover.demo import resolve_drafter
     from clover.engine_dir import EngineLimits, EngineMeta
-    from clover.export.builder import demo_engine_is_current
+    from clover.export.builder import demo_engine_is_current, heads_digest
     from tests.conftest import tiny_target_config
 
     heads = resolve_drafter(None, "demo")
     if heads is None:
         pytest.skip("this install ships no demo heads")
     shipped = DrafterConfig.load(f"{heads}/config.json")
-    for size, current in [(shipped.draft_vocab_size, True), (0 if shipped.draft_vocab_size else 16, False)]:
+    cases = [(shipped.draft_vocab_size, heads_digest(heads), True),
+             (0 if shipped.draft_vocab_size else 16, heads_digest(heads), False),
+             (shipped.draft_vocab_size, "0" * 64, False),  # built from earlier heads at the same path
+             (shipped.draft_vocab_size, None, False)]  # built before engines recorded the heads' digest
+    for size, digest, current in cases:
         drafter_config = DrafterConfig.from_dict({**shipped.to_dict(), "draft_vocab_size": size})
         EngineMeta(backend="onnxruntime", dtype="fp32", attention="standard", files={}, tensors={}, num_kv_layers=3,
                    limits=EngineLimits(1, 1, 64), target_config=tiny_target_config(), drafter_config=drafter_config,
-                   source={"drafter": heads}, cost_model=CostModel(target=[[1, 0.1]])).write(tmp_path)
+                   source={"drafter": heads, "drafter_sha256": digest},
+                   cost_model=CostModel(target=[[1, 0.1]])).write(tmp_path)
         assert demo_engine_is_current(tmp_path) == current

@@ -1,5 +1,6 @@
 """ONNX engines: parity with torch, lossless decoding through onnxruntime, plugin graphs, atomic builds."""
 
+import hashlib
 import json
 import math
 
@@ -127,6 +128,8 @@ def test_engine_json_is_self_describing(engines):
     meta = json.loads((engines[("llama", "clover")] / "engine.json").read_text())
     assert meta["contract_version"] == 1 and meta["dtype"] == "fp32"
     assert meta["drafter_config"]["method"] == "clover" and meta["num_kv_layers"] == 3
+    heads_file = engines[("llama", "clover")].parent / "llama-clover-heads" / "model.safetensors"
+    assert meta["source"]["drafter_sha256"] == hashlib.sha256(heads_file.read_bytes()).hexdigest()
     names = [t["name"] for t in meta["tensors"]["target"]["inputs"]]
     assert names[:4] == ["input_ids", "position_ids", "past_lengths", "spec_decoding_packed_mask"] == list(TARGET_INPUTS)
     assert names[4:] == ["past_key_0", "past_value_0", "past_key_1", "past_value_1", "past_key_2", "past_value_2"]

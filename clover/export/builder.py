@@ -212,8 +212,20 @@ def _engine_meta(models: _LoadedModels, options: BuildOptions, files: dict, tens
         target_fingerprint=target_fingerprint(model.to(torch.float32)),
         drafter_config=heads.config if heads is not None else None,
         draft_top_k=options.draft_top_k, draft_quantization=quantization, tree_defaults=TreeConfig(),
-        source={"target": str(models.target_dir), "drafter": models.drafter_source},
+        source={"target": str(models.target_dir), "drafter": models.drafter_source,
+                "drafter_sha256": heads_digest(models.drafter_source)},
     )
+
+
+def heads_digest(heads_dir: str | None) -> str | None:
+    """sha256 of a heads directory's weights file (None without one): engines record it, so an engine built
+    from heads that changed since (new shipped heads after an update) is known to be stale."""
+    import hashlib
+
+    from clover.drafters import WEIGHTS_FILE
+
+    path = Path(heads_dir) / WEIGHTS_FILE if heads_dir not in (None, "none") else None
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None and path.exists() else None
 
 
 def build_engine(output: str | Path, target: str | None = "demo", drafter: str | None = None, *,
@@ -299,8 +311,8 @@ def recalibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None
 
 
 def demo_engine_is_current(engine_dir: str | Path) -> bool:
-    """True when ``engine_dir`` holds a demo engine built the default way: the shipped heads (with their
-    draft vocabulary), a cost model."""
+    """True when ``engine_dir`` holds a demo engine built the default way: the shipped heads as they are now
+    (same weights, same draft vocabulary), a cost model."""
     from clover.demo import resolve_drafter
 
     try:
@@ -309,6 +321,8 @@ def demo_engine_is_current(engine_dir: str | Path) -> bool:
         return False
     heads = resolve_drafter(None, "demo")
     if meta.source.get("drafter") != heads or meta.cost_model is None:
+        return False
+    if meta.source.get("drafter_sha256") != heads_digest(heads):  # the shipped heads changed since the build
         return False
     shipped_vocab = DrafterConfig.load(Path(heads) / "config.json").draft_vocab_size if heads else 0
     return (meta.drafter_config.draft_vocab_size if meta.drafter_config else 0) == shipped_vocab
