@@ -110,6 +110,19 @@ def profile(args) -> dict:
     return report
 
 
+def alternating_rounds(args, engines: dict, measure, key) -> dict[str, list[float]]:
+    """``rows[key(label, batch)]``: ``measure(engine, batch)`` per round, every engine and batch in turn inside
+    each round (so each sees the same load), and the read bandwidth once per round."""
+    rows: dict[str, list[float]] = collections.defaultdict(list)
+    for round_index in range(args.rounds):
+        print(f"round {round_index + 1}/{args.rounds}", flush=True)
+        rows["bandwidth_gbs"].append(read_bandwidth_gbs())
+        for batch in args.batches:
+            for label, engine in engines.items():
+                rows[key(label, batch)].append(measure(engine, batch))
+    return rows
+
+
 def passes(args) -> dict:
     """Isolated target passes of several engines, alternated inside every round."""
     from clover.backends.onnxruntime import OnnxRuntimeEngine
@@ -117,13 +130,8 @@ def passes(args) -> dict:
     engines = {label: OnnxRuntimeEngine(path) for label, path in (e.split("=", 1) for e in args.engine)}
     first = next(iter(engines.values()))
     inputs = {b: pass_inputs(first.spec, b, args.tokens, args.past) for b in args.batches}
-    rows: dict[str, list[float]] = collections.defaultdict(list)
-    for round_index in range(args.rounds):
-        print(f"round {round_index + 1}/{args.rounds}", flush=True)
-        rows["bandwidth_gbs"].append(read_bandwidth_gbs())
-        for batch in args.batches:
-            for label, engine in engines.items():
-                rows[f"{label} b{batch}"].append(statistics.median(time_passes(engine, inputs[batch], args.repeats)))
+    rows = alternating_rounds(args, engines, lambda engine, batch: statistics.median(
+        time_passes(engine, inputs[batch], args.repeats)), lambda label, batch: f"{label} b{batch}")
     weight_bytes = {label: (Path(e.engine_dir) / (e.meta.files["target"] + ".data")).stat().st_size
                     for label, e in engines.items()}
     best_bw = max(rows["bandwidth_gbs"])
@@ -172,13 +180,8 @@ def threads(args) -> dict:
 
     tokenizer = load_tokenizer(demo_checkpoint())
     engines = {n: OnnxRuntimeEngine(args.engine, threads=n) for n in args.threads}
-    rows: dict[str, list[float]] = collections.defaultdict(list)
-    for round_index in range(args.rounds):
-        print(f"round {round_index + 1}/{args.rounds}", flush=True)
-        rows["bandwidth_gbs"].append(read_bandwidth_gbs())
-        for batch in args.batches:
-            for n, engine in engines.items():
-                rows[f"t{n} b{batch}"].append(decode_step_seconds(engine, tokenizer, batch, args.new_tokens))
+    rows = alternating_rounds(args, engines, lambda engine, batch: decode_step_seconds(
+        engine, tokenizer, batch, args.new_tokens), lambda n, batch: f"t{n} b{batch}")
     print(f"\nvanilla decode step ms in the decode loop, median (min–max) of {args.rounds} rounds")
     print("| batch | " + " | ".join(f"{n} thread(s)" for n in engines) + " |\n|---|" + "---|" * len(engines))
     for batch in args.batches:
