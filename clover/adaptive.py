@@ -38,6 +38,7 @@ import torch
 from clover.config import ConfigError, JsonMixin
 
 DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+VANILLA_PROBE_AFTER = 4  # speculative steps of a batch size before its one timed vanilla step
 
 
 def _interpolate(points: Sequence[Sequence[float]], x: float) -> float:
@@ -212,36 +213,85 @@ class AdaptiveBudget:
     ``explore_every``: when the choice is vanilla, every that many steps try the
     best speculative budget once anyway, so acceptance keeps being measured
     (lossless either way; 0 disables it).
+    ``step_timing``: correct the cost model with the decode loop's measured step times
+    (:meth:`observe_time`); False trusts the model alone (tests that emulate a machine with it).
     """
 
     def __init__(self, cost: CostModel, depth: int, top_k: int, max_budget: int,
                  budgets: Iterable[int] = DEFAULT_BUDGETS, acceptance: AcceptanceModel | None = None,
-                 explore_every: int = 64) -> None:
+                 explore_every: int = 64, step_timing: bool = True) -> None:
+        self.step_timing = step_timing
         self.cost, self.depth, self.top_k = cost, depth, top_k
         self.budgets = sorted({b for b in (*budgets, max_budget) if 0 <= b <= max_budget})
         self.acceptance = acceptance or AcceptanceModel(depth=depth)
         self.explore_every = explore_every
         self.history: list[tuple[int, int]] = []  # (batch, budget) per decode step
         self._vanilla_run = 0
-        self._choices: dict[int, int] = {}  # batch -> budget, until the acceptance estimates change
+        self._choices: dict[int, int] = {}  # batch -> budget, until the acceptance or time estimates change
+        # (batch, budget) -> measured step seconds / the cost model's, an EMA: the calibration times one sequence
+        # of batch x tree tokens, which can miss what a real batch costs (docs/results/defaults, 2026-12-02)
+        self._time_ratio: dict[tuple[int, int], float] = {}
+        self._untimed_steps: dict[int, int] = {}  # batch -> speculative steps before any vanilla step was timed
 
     def choose(self, batch: int) -> int:
         budget = self._choices.get(batch)
         if budget is None:
-            budget = choose_budget(batch, self.cost, self.acceptance.expected, self.budgets, self.depth, self.top_k)
+            rates = self._rates(batch, self.budgets)
+            budget = max(rates, key=lambda b: (rates[b], -b))
             self._choices[batch] = budget
         if budget == 0:
-            self._vanilla_run += 1
-            if self.explore_every and self._vanilla_run >= self.explore_every:
-                self._vanilla_run = 0
-                rates = {b: expected_throughput(batch, b, self.cost, self.acceptance.expected(b), self.depth, self.top_k)
-                         for b in self.budgets if b > 0}
-                if rates:
-                    budget = max(rates, key=lambda b: (rates[b], -b))
+            budget = self._probe_speculative(batch)
         else:
             self._vanilla_run = 0
+            budget = self._probe_vanilla(batch, budget)
         self.history.append((batch, budget))
         return budget
+
+    def _probe_speculative(self, batch: int) -> int:
+        """Vanilla was chosen: every ``explore_every`` such steps try the best tree once, so acceptance keeps
+        being measured."""
+        self._vanilla_run += 1
+        if self.explore_every and self._vanilla_run >= self.explore_every:
+            self._vanilla_run = 0
+            rates = self._rates(batch, [b for b in self.budgets if b > 0])
+            if rates:
+                return max(rates, key=lambda b: (rates[b], -b))
+        return 0
+
+    def _probe_vanilla(self, batch: int, budget: int) -> int:
+        """A tree was chosen: once per batch size, after a few such steps, run one vanilla step instead, to time
+        the yardstick the trees' measured times are weighed against (without it a uniformly slow machine and
+        relatively costly trees look the same)."""
+        if not self.step_timing or not self.explore_every or (batch, 0) in self._time_ratio:
+            return budget
+        self._untimed_steps[batch] = self._untimed_steps.get(batch, 0) + 1
+        return 0 if self._untimed_steps[batch] > VANILLA_PROBE_AFTER else budget
+
+    def _rates(self, batch: int, budgets: Iterable[int]) -> dict[int, float]:
+        """Expected tokens/s per budget: the cost model's, scaled by what steps of that batch and budget took."""
+        return {b: expected_throughput(batch, b, self.cost, self.acceptance.expected(b), self.depth, self.top_k)
+                / self._ratio(batch, b) for b in budgets}
+
+    def _ratio(self, batch: int, budget: int) -> float:
+        """Measured ÷ modelled step time for this batch and budget; for a budget not yet run at this batch, that
+        of the nearest one that was (the machine's speed, with the model's relative costs), else 1."""
+        observed = [b for (n, b) in self._time_ratio if n == batch]
+        if (batch, budget) in self._time_ratio or not observed:
+            return self._time_ratio.get((batch, budget), 1.0)
+        return self._time_ratio[(batch, min(observed, key=lambda b: (abs(b - budget), b)))]
+
+    def observe_time(self, batch: int, budget: int, seconds: float, decay: float = 0.8) -> None:
+        """One decode step of ``batch`` sequences at ``budget`` took ``seconds`` (drafting, verification and host
+        work): folded into that pair's correction of the cost model, so a budget the model rates too cheap on
+        this machine stops being chosen after a few steps. Vanilla steps are corrected the same way."""
+        predicted = self.cost.target_time(batch * (1 + budget)) + self.cost.draft_time(batch, budget, self.depth,
+                                                                                       self.top_k)
+        if predicted <= 0 or seconds <= 0:
+            return
+        key, ratio = (batch, budget), seconds / predicted
+        old = self._time_ratio.get(key)
+        self._time_ratio[key] = ratio if old is None else decay * old + (1.0 - decay) * ratio
+        self._choices.pop(batch, None)
 
     def observe(self, budget: int, accepted_per_sequence: Sequence[int]) -> None:
         """One step's accepted draft tokens per sequence at ``budget``."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -235,12 +236,15 @@ class SpeculativeDecoder:
             logits and the padding waste when many requests join at once.
         cost_model: step times for adaptive trees (``tree.adaptive``); default
             the engine's ``cost_model`` (calibrated by ``build_engine --calibrate``).
+        step_timing: let the adaptive chooser correct the cost model with the measured times of its
+            own steps (:meth:`clover.adaptive.AdaptiveBudget.observe_time`); False: the model alone.
     """
 
     def __init__(self, engine: Engine, method: str = "clover", tree: TreeConfig | None = None,
                  tokenizer=None, max_batch_size: int = 64, cost_model: CostModel | None = None,
-                 prefill_chunk_tokens: int = 2048) -> None:
+                 prefill_chunk_tokens: int = 2048, step_timing: bool = True) -> None:
         spec = engine.spec
+        self.step_timing = step_timing
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         if method != "vanilla":
@@ -291,7 +295,8 @@ class SpeculativeDecoder:
                                   "default of export/build_engine.py), or pass cost_model (clover.adaptive.calibrate)")
             return None
         depth = min(self.tree.depth or spec.num_draft_heads, spec.num_draft_heads)
-        return AdaptiveBudget(cost_model, depth, min(self.tree.top_k, spec.draft_top_k), self.tree.budget)
+        return AdaptiveBudget(cost_model, depth, min(self.tree.top_k, spec.draft_top_k), self.tree.budget,
+                              step_timing=self.step_timing)
 
     # -- public API -------------------------------------------------------
 
@@ -428,6 +433,7 @@ class SpeculativeDecoder:
             return events
 
         roots = [s.root_token for s in seqs]
+        started = time.perf_counter()
         tree = self.tree
         if self.adaptive is not None:  # this step's budget, from the live batch size (0: vanilla step)
             tree = dataclasses.replace(tree, budget=self.adaptive.choose(len(seqs)))
@@ -462,6 +468,8 @@ class SpeculativeDecoder:
                 seq.root_hidden = root_rows[i]
             events.append(self._event(seq, seq.emit(acc.tokens), step_counts))
         self._draft_after_step(seqs, result.h0, accepted)
+        if self.adaptive is not None and self.adaptive.step_timing:  # what this budget really costs here
+            self.adaptive.observe_time(len(seqs), tree.budget, time.perf_counter() - started)
         self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
         return events
 

@@ -31,7 +31,10 @@ LOW = {b: 1.0 + 0.05 * min(b, 3) for b in range(1, 33)}  # a useless one
 
 
 def _generate(engine, method, prompts, tree, cost_model=None, batch_size=8, max_new=MAX_NEW):
-    decoder = SpeculativeDecoder(engine, method, tree, max_batch_size=batch_size, cost_model=cost_model)
+    # these cost models stand for machines (compute-bound, a roofline): the tiny engine's own step times must
+    # not correct them
+    decoder = SpeculativeDecoder(engine, method, tree, max_batch_size=batch_size, cost_model=cost_model,
+                                 step_timing=False)
     results = decoder.generate([GenerationRequest(p, max_new_tokens=max_new + i % 3, stop_token_ids=())
                                 for i, p in enumerate(prompts)])
     return decoder, results
@@ -182,7 +185,8 @@ def test_adaptive_oracle_speculates_and_stays_lossless():
     prompts = random_prompts(9, 4, target.config.vocab_size, 3, 12)
     expected = hf_greedy(target, prompts, 24)
     oracle = OracleEngine(inner, prompts, expected, num_heads=3)
-    decoder = SpeculativeDecoder(oracle, "clover", TreeConfig(budget=8, adaptive=True), cost_model=ROOFLINE)
+    decoder = SpeculativeDecoder(oracle, "clover", TreeConfig(budget=8, adaptive=True), cost_model=ROOFLINE,
+                                 step_timing=False)
     results = decoder.generate([GenerationRequest(p, max_new_tokens=24, stop_token_ids=()) for p in prompts])
     assert [r.token_ids for r in results] == expected
     budgets = [b for _, b in decoder.adaptive.history]
@@ -198,7 +202,8 @@ def test_adaptive_moves_to_vanilla_for_a_useless_drafter():
     prompts = random_prompts(11, 4, target.config.vocab_size, 2, 8)
     steep = CostModel(target=[[1, 0.010], [16, 0.011], [64, 0.160]], draft=[[1, 0.002], [64, 0.003]])
     acceptance = AcceptanceModel(depth=3, prior={b: 1.0 + 0.9 * min(b, 3) for b in range(1, 33)})
-    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8, adaptive=True), cost_model=steep)
+    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8, adaptive=True), cost_model=steep,
+                                 step_timing=False)
     decoder.adaptive.acceptance = acceptance  # an optimistic prior, corrected by measurement
     results = decoder.generate([GenerationRequest(p, max_new_tokens=40, stop_token_ids=()) for p in prompts])
     assert [r.token_ids for r in results] == hf_greedy(target, prompts, 40)
@@ -312,3 +317,38 @@ def test_recalibrate_stores_a_cost_model_without_rebuilding(tmp_path):
     assert dataclasses.replace(after, cost_model=None) == before
     assert {p.name: p.stat().st_mtime_ns for p in engine_dir.glob("*.onnx")} == onnx_files  # nothing rebuilt
     assert cli.main(["--output", str(tmp_path / "nowhere"), "--recalibrate"]) == 2
+
+
+@pytest.mark.parametrize("tree_cost_per_node, keeps_drafting", [(0.0, True), (0.5, False)])
+def test_measured_step_times_correct_a_cost_model_that_rates_trees_too_cheap(tree_cost_per_node, keeps_drafting):
+    """The model says a tree costs what a vanilla step does; steps that really take 1 + b/2 vanilla steps for
+    b nodes (as a batch of 8 can on a CPU) turn the chooser to vanilla steps at tau 1.4, steps as cheap as the
+    model says do not."""
+    cost = CostModel(target=[[1, 0.010], [64, 0.010]], draft=[[1, 1e-6], [64, 1e-6]])
+    chooser = AdaptiveBudget(cost, depth=3, top_k=8, max_budget=4)
+    chooser.acceptance.observe(4, 1.4, weight=100)
+    assert chooser.choose(8) > 0
+    for _ in range(20):
+        budget = chooser.choose(8)
+        chooser.observe_time(8, budget, 0.010 * (1 + tree_cost_per_node * budget))
+    assert (chooser.choose(8) > 0) == keeps_drafting
+
+
+def test_the_decode_loop_reports_every_step_time_to_the_chooser(monkeypatch):
+    """Each decode step's batch size, budget and wall time reach AdaptiveBudget.observe_time (the default),
+    and none do with step_timing=False."""
+    target = make_target(seed=11)
+    engine = TorchEngine(target, make_drafter(target, num_heads=3, seed=12), max_seq_len=256)
+    prompts = random_prompts(13, 3, target.config.vocab_size, 2, 8)
+    for step_timing in (True, False):
+        seen = []
+        monkeypatch.setattr(AdaptiveBudget, "observe_time",
+                            lambda self, batch, budget, seconds: seen.append((batch, budget, seconds)))
+        decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4, adaptive=True), cost_model=ROOFLINE,
+                                     step_timing=step_timing)
+        results = decoder.generate([GenerationRequest(p, max_new_tokens=12, stop_token_ids=()) for p in prompts])
+        assert [r.token_ids for r in results] == hf_greedy(target, prompts, 12)
+        if step_timing:
+            assert [(n, b) for n, b, _ in seen] == decoder.adaptive.history and all(s > 0 for _, _, s in seen)
+        else:
+            assert seen == [] and decoder.adaptive.history

@@ -649,7 +649,11 @@ def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
     device = pick_device(cfg.device)
     dist = Distributed.from_env(device.type)
     try:
-        return _train_rank(cfg, target, on_step, out, dist, dist.device(device))
+        summary = _train_rank(cfg, target, on_step, out, dist, dist.device(device))
+        # no rank tears the group down while another is still in the last collective (gloo aborted the
+        # process then, under load: "terminate called without an active exception")
+        dist.barrier()
+        return summary
     finally:
         dist.close()
 
