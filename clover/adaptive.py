@@ -197,13 +197,19 @@ def choose_budget(batch: int, cost: CostModel, expected_tokens, budgets: Iterabl
     if batch < 1:
         raise ValueError("batch must be >= 1")
     lookup = expected_tokens.__getitem__ if isinstance(expected_tokens, dict) else expected_tokens
-    best, best_rate = 0, expected_throughput(batch, 0, cost, 1.0, depth, top_k)
-    for budget in sorted(set(budgets)):
-        if budget <= 0 or (max_budget is not None and budget > max_budget):
-            continue
-        rate = expected_throughput(batch, budget, cost, float(lookup(budget)), depth, top_k)
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = budget, rate
+    rates = {0: expected_throughput(batch, 0, cost, 1.0, depth, top_k)}
+    for budget in set(budgets):
+        if budget > 0 and (max_budget is None or budget <= max_budget):
+            rates[budget] = expected_throughput(batch, budget, cost, float(lookup(budget)), depth, top_k)
+    return best_budget(rates)
+
+
+def best_budget(rates: dict[int, float]) -> int:
+    """The budget of the highest expected tokens/s; within 1e-9 (relative) of it, the smaller budget."""
+    best = None
+    for budget in sorted(rates):
+        if best is None or rates[budget] > rates[best] * (1 + 1e-9):
+            best = budget
     return best
 
 
@@ -236,8 +242,7 @@ class AdaptiveBudget:
     def choose(self, batch: int) -> int:
         budget = self._choices.get(batch)
         if budget is None:
-            rates = self._rates(batch, self.budgets)
-            budget = max(rates, key=lambda b: (rates[b], -b))
+            budget = best_budget(self._rates(batch, self.budgets))
             self._choices[batch] = budget
         if budget == 0:
             budget = self._probe_speculative(batch)
@@ -255,7 +260,7 @@ class AdaptiveBudget:
             self._vanilla_run = 0
             rates = self._rates(batch, [b for b in self.budgets if b > 0])
             if rates:
-                return max(rates, key=lambda b: (rates[b], -b))
+                return best_budget(rates)
         return 0
 
     def _probe_vanilla(self, batch: int, budget: int) -> int:

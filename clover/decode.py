@@ -244,7 +244,6 @@ class SpeculativeDecoder:
                  tokenizer=None, max_batch_size: int = 64, cost_model: CostModel | None = None,
                  prefill_chunk_tokens: int = 2048, step_timing: bool = True) -> None:
         spec = engine.spec
-        self.step_timing = step_timing
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         if method != "vanilla":
@@ -268,7 +267,7 @@ class SpeculativeDecoder:
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # index == cache row
         self._cancelled: set[int] = set()
-        self.adaptive = self._adaptive_budget(cost_model or getattr(engine, "cost_model", None))
+        self.adaptive = self._adaptive_budget(cost_model or getattr(engine, "cost_model", None), step_timing)
         max_tree = len(self.tree.static_choices) if self.tree.static_choices is not None else self.tree.budget
         self._max_step_tokens = 1 + (max_tree if method != "vanilla" else 0)
 
@@ -283,7 +282,7 @@ class SpeculativeDecoder:
         return KVCache(spec.num_draft_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
                        device=spec.device)
 
-    def _adaptive_budget(self, cost_model: CostModel | None) -> AdaptiveBudget | None:
+    def _adaptive_budget(self, cost_model: CostModel | None, step_timing: bool) -> AdaptiveBudget | None:
         """The per-step budget chooser, or None for a fixed budget (``tree.adaptive`` False, vanilla, a static
         tree, or no cost model where adaptivity was not required)."""
         wanted, spec = self.tree.adaptive, self.engine.spec
@@ -296,7 +295,7 @@ class SpeculativeDecoder:
             return None
         depth = min(self.tree.depth or spec.num_draft_heads, spec.num_draft_heads)
         return AdaptiveBudget(cost_model, depth, min(self.tree.top_k, spec.draft_top_k), self.tree.budget,
-                              step_timing=self.step_timing)
+                              step_timing=step_timing)
 
     # -- public API -------------------------------------------------------
 
@@ -452,7 +451,8 @@ class SpeculativeDecoder:
 
         width = max(len(a.path) for a in accepted)
         source = cpu_tensor([a.path + [0] * (width - len(a.path)) for a in accepted])
-        self.cache.commit(result.present_keys, result.present_values, source, cpu_tensor([len(a.path) for a in accepted]))
+        self.cache.commit(result.present_keys, result.present_values, source,
+                          cpu_tensor([len(a.path) for a in accepted]))
         # the next roots' states: h0 at each deepest accepted node, one gather for the batch [n, H]
         # (clover2 takes them from its draft_prefill below instead)
         root_from_h0 = self.method != "vanilla" and self.draft_cache is None
