@@ -74,8 +74,8 @@ if __package__ in (None, ""):
 
 from clover.attention import causal_packed_mask  # noqa: E402
 from clover.config import DRAFTER_METHODS, ConfigError, DrafterConfig  # noqa: E402
-from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, draft_vocab_of, load_drafter, read_draft_vocab, save_drafter,  # noqa: E402
-                             set_draft_vocab)
+from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, draft_vocab_of, load_drafter,  # noqa: E402
+                             read_draft_vocab, save_drafter, set_draft_vocab)
 from training.distributed import Distributed  # noqa: E402
 from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,  # noqa: E402
                                online_target_dtype, peak_memory_mb, stored_dtype)
