@@ -404,22 +404,45 @@ class LossSpec:
         return self.labels == "soft" or self.regression_weight > 0
 
 
+class SoftLabels:
+    """The target's distribution over the scored rows (:class:`DraftRows`) at the label source positions of a
+    chunk of roots, computed once per position: root t's head i+1 and root t+1's head i read the same one, so
+    per head it would be computed up to K times (most of a training step's LM-head work besides the heads').
+
+    With a draft vocabulary V' it is the target's logits at those rows, renormalised (EAGLE-3's choice)."""
+
+    def __init__(self, target, rows: DraftRows, x_last: torch.Tensor, roots: Roots, chunk: slice) -> None:
+        self.width = x_last.shape[1]
+        heads = torch.arange(roots.valid.shape[1], device=x_last.device)
+        flat = self._flat(roots.b[chunk, None], roots.t[chunk, None] + heads + 1)  # [n, K]
+        self.positions = torch.unique(flat[roots.valid[chunk]])  # sorted
+        with torch.no_grad():
+            logits = target_logits(target, rows.weight, x_last.flatten(0, 1)[self.positions])
+            self.probs = torch.softmax(logits.float(), dim=-1)
+
+    def _flat(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return b * self.width + t
+
+    def at(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``[n, V']`` at the positions (b, t), which must be among the chunk's label source positions."""
+        return self.probs[torch.searchsorted(self.positions, self._flat(b, t))]
+
+
 def head_loss(drafter: Drafter, target, rows: DraftRows, feature: torch.Tensor, logits: torch.Tensor,
-              labels: torch.Tensor, last_hidden: torch.Tensor | None, spec: LossSpec) -> torch.Tensor:
+              labels: torch.Tensor, last_hidden: torch.Tensor | None, spec: LossSpec,
+              target_probs: torch.Tensor | None = None) -> torch.Tensor:
     """Summed loss of one head over its rows.
 
     ``labels``: target token ids ``[n]``; ``last_hidden`` ``[n, H]``: the target's last hidden state at the
-    label source positions (:func:`label_source_positions`), or None when the loss does not read it.
-    With a draft vocabulary V' the soft label is the target's distribution over V' (its logits at those
-    rows, renormalised: EAGLE-3's choice), and a hard label outside V' counts no loss.
+    label source positions (:func:`label_source_positions`), or None when the loss does not read it;
+    ``target_probs`` ``[n, V']``: the soft label there (:class:`SoftLabels`), needed when ``spec.labels`` is
+    soft. A hard label outside the draft vocabulary counts no loss.
     """
     logits = logits.float()
-    if last_hidden is None or spec.labels == "hard":
+    if spec.labels == "hard" or target_probs is None:
         loss = nn.functional.cross_entropy(logits, rows.to_columns(labels), reduction="sum", ignore_index=-100)
     else:
-        with torch.no_grad():
-            reference = target_logits(target, rows.weight, last_hidden).float()
-        loss = soft_cross_entropy(logits, torch.softmax(reference, dim=-1))
+        loss = soft_cross_entropy(logits, target_probs)
     if spec.regression_weight:
         goal = regression_target(drafter, target, last_hidden).float()
         loss = loss + spec.regression_weight * nn.functional.smooth_l1_loss(
@@ -476,11 +499,14 @@ def run_batch(drafter: Drafter, target, lm_head_weight: torch.Tensor, batch: Bat
         with torch.set_grad_enabled(train):
             loss = leaf.new_zeros(())
             chunk_rows = torch.arange(h_rows.shape[0], device=h_rows.device)[sl]
+            soft = SoftLabels(target, scored, batch.x_last, roots, sl) if read_target and labels == "soft" else None
             for i, rows, feature, logits in head_outputs(drafter, lm_head_weight, leaf[sl], roots.tok_in[sl],
                                                          roots.valid[sl], scored.weight):
                 label = roots.labels[sl][rows, i]
-                last_hidden = batch.x_last[label_source_positions(roots, chunk_rows[rows], i)] if read_target else None
-                term = head_loss(drafter, target, scored, feature, logits, label, last_hidden, spec)
+                source = label_source_positions(roots, chunk_rows[rows], i)
+                last_hidden = batch.x_last[source] if read_target else None
+                term = head_loss(drafter, target, scored, feature, logits, label, last_hidden, spec,
+                                 soft.at(*source) if soft else None)
                 loss = loss + weights[i] * term / counts[i]
                 # training reads only the label hits: the target's own top-1 (a full-vocabulary pass) is for eval
                 target_top = target_top1(target, lm_head_weight, last_hidden) if read_target and not train else None
