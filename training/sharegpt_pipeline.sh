@@ -10,7 +10,8 @@
 # METHODS of the main runs (clover medusa), MTBENCH_LIMIT (24), BUDGETS (4,8),
 # DISTILL_PROMPTS (4000: ShareGPT training prompts the target answers itself in the distill stage),
 # DISTILL_PART_RECORDS (400: distilled answers per cache part, sharegpt-distill-K; only complete parts are cached),
-# FINETUNE_INIT (heads the finetune stage starts from: the shipped Clover heads), FINETUNE_EPOCHS (2).
+# FINETUNE_INIT (heads the finetune stage starts from: the shipped Clover heads), FINETUNE_EPOCHS (2),
+# FINETUNE_MAX_TOKENS (answer-token cap over all epochs; default: none, unlike demo.json's 500k of the runs from scratch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:-all}
@@ -74,7 +75,7 @@ if [[ $STAGE == finetune ]]; then
   python training/train.py $COMMON --method "${FINETUNE_METHOD:-clover}" --cache "$distilled${FINETUNE_EXTRA:+,$FINETUNE_EXTRA}" \
     --init "${FINETUNE_INIT:-clover/assets/smollm2-135m-instruct/clover}" --epochs "${FINETUNE_EPOCHS:-2}" \
     --lr "${FINETUNE_LR:-0.0005}" --eval-every "$EVAL_EVERY" --save-every "${SAVE_EVERY:-20}" $RECIPE \
-    --output "${FINETUNE_OUTPUT:-outputs/runs/finetune-clover}"
+    --max-tokens "${FINETUNE_MAX_TOKENS:-1000000000}" --output "${FINETUNE_OUTPUT:-outputs/runs/finetune-clover}"
 fi
 if [[ $STAGE == ablation || $STAGE == all ]]; then
   # the recipe, one change at a time, same data, order and token budget
