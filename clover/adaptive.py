@@ -133,13 +133,19 @@ class AcceptanceModel:
 
     Starts from :func:`prior_tokens_per_step` (or ``prior``, budget -> tokens);
     :meth:`observe` folds each step's mean tokens/step at the budget used into
-    an exponential moving average. A budget never observed borrows the ratio
+    an exponential moving average, one update per sequence-step. Its ``decay``
+    trades how fast useless heads are caught against how often a few unlucky
+    steps of good heads flip a batch-1 decoder to vanilla steps, where nothing
+    is measured until it explores again: replayed on measured MT-bench
+    acceptance (``benchmarks/chooser_replay.py``, docs/trees.md#adaptive-tree-budget),
+    0.95 kept 99% of the best fixed budget's speed and 0.965x vanilla with
+    useless heads; 0.9 gave 95% and 0.981x. A budget never observed borrows the ratio
     observed/prior of extra tokens at the nearest observed budget, so one good
     measurement lifts the whole curve and the chooser can move to other budgets.
     """
 
     depth: int = 3
-    decay: float = 0.9  # EMA weight of the past
+    decay: float = 0.95  # EMA weight of the past, per sequence-step
     prior: dict[int, float] | None = None
     ema: dict[int, float] = dataclasses.field(default_factory=dict)
     counts: dict[int, int] = dataclasses.field(default_factory=dict)

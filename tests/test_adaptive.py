@@ -207,7 +207,7 @@ def test_adaptive_moves_to_vanilla_for_a_useless_drafter():
     decoder.adaptive.acceptance = acceptance  # an optimistic prior, corrected by measurement
     results = decoder.generate([GenerationRequest(p, max_new_tokens=40, stop_token_ids=()) for p in prompts])
     assert [r.token_ids for r in results] == hf_greedy(target, prompts, 40)
-    budgets = [b for _, b in decoder.adaptive.history]
+    budgets = [b for n, b in decoder.adaptive.history if n == 4]  # while all four run (one may finish early)
     assert budgets[0] > 0 and budgets[-1] == 0
 
 

@@ -86,12 +86,13 @@ def test_default_settings_are_lossless_on_the_torch_path(tmp_path):
 
 
 def _default_budgets(engine, prompts, cost_model, max_new=40):
+    """Budgets chosen while both sequences ran (a last step may have one), and the tokens."""
     # the cost model stands for the machine here (a roofline), so the decoder's own step times on this
     # tiny engine must not correct it
     decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8), max_batch_size=2, cost_model=cost_model,
                                  step_timing=False)
     results = decoder.generate([GenerationRequest(p, max_new, stop_token_ids=()) for p in prompts])
-    return [budget for _, budget in decoder.adaptive.history], [r.token_ids for r in results]
+    return [budget for batch, budget in decoder.adaptive.history if batch == 2], [r.token_ids for r in results]
 
 
 def test_the_default_chooser_takes_vanilla_steps_with_useless_heads(tiny_target):
@@ -107,4 +108,6 @@ def test_the_default_chooser_takes_vanilla_steps_with_useless_heads(tiny_target)
     useless_budgets, useless_tokens = _default_budgets(useless, prompts, roofline)
     assert oracle_tokens == useless_tokens == expected
     assert min(oracle_budgets) > 0, oracle_budgets
-    assert useless_budgets[0] > 0 and all(b == 0 for b in useless_budgets[6:]), useless_budgets
+    # the acceptance average (decay 0.95 per sequence-step) falls from the prior to vanilla's break-even on this
+    # nearly free verification within 2 x 12 sequence-steps; the periodic probe comes only after 64 vanilla steps
+    assert useless_budgets[0] > 0 and all(b == 0 for b in useless_budgets[12:]), useless_budgets
