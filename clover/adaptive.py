@@ -28,6 +28,7 @@ budget shrinks with the batch, down to 0 (vanilla: no draft steps at all).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -320,16 +321,24 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median_seconds(fn, repeats: int, device: str) -> float:
-    fn()  # warm-up (allocations, kernel selection)
+def _median_seconds(jobs: dict, repeats: int, device: str) -> dict:
+    """Median seconds of each job (a callable) over ``repeats`` rounds, after one warm-up call each
+    (allocations, kernel selection). Every round runs every job once, in an order rotated per round, so a
+    burst of load on a shared machine costs many points a little instead of one point all its repeats: timed
+    point by point, such a burst once rated 8 target tokens dearer than 16 (docs/results/defaults/README.md)."""
+    keys = list(jobs)
+    for key in keys:
+        jobs[key]()
     _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict = {key: [] for key in keys}
+    for round_ in range(repeats):
+        shift = round_ % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            start = time.perf_counter()
+            jobs[key]()
+            _sync(device)
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def token_counts(max_tokens: int) -> list[int]:
@@ -357,39 +366,34 @@ def calibrate(engine, max_tokens: int = 64, repeats: int = 5, past: int = 32, so
     past = max(0, min(past, spec.max_seq_len - max_tokens))  # positions must stay inside the engine's context
     gen = torch.Generator().manual_seed(0)
     counts = token_counts(max_tokens)
-    target_points = _chain_points(engine.target, spec, spec.num_kv_layers, counts, past, repeats,
-                                  lambda n: (torch.randint(0, spec.vocab_size, (1, n), generator=gen),))
-    draft_points = []
+    jobs = {("target", n): job for n, job in _chain_jobs(
+        engine.target, spec, spec.num_kv_layers, counts, past,
+        lambda n: (torch.randint(0, spec.vocab_size, (1, n), generator=gen),))}
     if spec.num_draft_heads:
         for n in counts:
             hidden = torch.randn(n, spec.hidden_size, generator=gen).to(spec.dtype)
             token = torch.randint(0, spec.vocab_size, (n,), generator=gen)
-            seconds = _median_seconds(lambda: engine.draft_step(hidden, token, 0), repeats, spec.device)
-            draft_points.append([n, seconds])
-    prefill_points = []
+            jobs["draft", n] = functools.partial(engine.draft_step, hidden, token, 0)
     if spec.num_draft_kv_layers:
-        prefill_points = _chain_points(engine.draft_prefill, spec, spec.num_draft_kv_layers, counts, past, repeats,
-                                       lambda n: (torch.randn(1, n, spec.hidden_size, generator=gen).to(spec.dtype),
-                                                  torch.randint(0, spec.vocab_size, (1, n), generator=gen)))
-    return CostModel(target_points, draft_points, source=source, draft_prefill=prefill_points)
+        jobs.update({("draft_prefill", n): job for n, job in _chain_jobs(
+            engine.draft_prefill, spec, spec.num_draft_kv_layers, counts, past,
+            lambda n: (torch.randn(1, n, spec.hidden_size, generator=gen).to(spec.dtype),
+                       torch.randint(0, spec.vocab_size, (1, n), generator=gen)))})
+    seconds = _median_seconds(jobs, repeats, spec.device)
+    points = {kind: [[n, t] for (k, n), t in seconds.items() if k == kind] for kind in ("target", "draft", "draft_prefill")}
+    return CostModel(points["target"], points["draft"], source=source, draft_prefill=points["draft_prefill"])
 
 
-def _chain_points(call, spec, num_layers: int, counts: list[int], past: int, repeats: int, first_inputs):
-    """``[n, seconds]`` of ``call(*first_inputs(n), position_ids, past_lengths, packed_mask, k_cache, v_cache)``
-    over one causal chain of n new positions after ``past`` cached ones, for each n of ``counts``."""
+def _chain_jobs(call, spec, num_layers: int, counts: list[int], past: int, first_inputs):
+    """``(n, job)`` per n of ``counts``: ``call(*first_inputs(n), position_ids, past_lengths, packed_mask, k_cache,
+    v_cache)`` over one causal chain of n new positions after ``past`` cached ones (the calls read the cache,
+    never write it, so they share one)."""
     from clover.attention import causal_packed_mask
     from clover.kv_cache import KVCache
 
     cache = KVCache(num_layers, spec.num_kv_heads, spec.head_dim, past + max(counts), spec.dtype, device=spec.device)
     cache.add_rows(1)
     k_cache, v_cache = cache.views()
-    points = []
-    for n in counts:
-        first = first_inputs(n)
-        positions = torch.arange(past, past + n)[None]
-        lengths = torch.tensor([past], dtype=torch.int32)
-        mask = causal_packed_mask(1, n)
-        seconds = _median_seconds(lambda: call(*first, positions, lengths, mask, k_cache, v_cache), repeats,
-                                  spec.device)
-        points.append([n, seconds])
-    return points
+    lengths = torch.tensor([past], dtype=torch.int32)
+    return [(n, functools.partial(call, *first_inputs(n), torch.arange(past, past + n)[None], lengths,
+                                  causal_packed_mask(1, n), k_cache, v_cache)) for n in counts]

@@ -227,8 +227,12 @@ class FakeClock:
 class TimedEngine:
     """The tiny torch engine, each call taking a known time on the fake clock (an injected cost model)."""
 
-    def __init__(self, inner, clock: FakeClock) -> None:
+    def __init__(self, inner, clock: FakeClock, slow_calls: range = range(0)) -> None:
         self.inner, self.spec, self.clock, self.calls = inner, inner.spec, clock, []
+        self.slow_calls = slow_calls  # these calls (by index) take 1 s more: a burst of load on a shared machine
+
+    def _advance(self, seconds: float) -> None:
+        self.clock.now += seconds + (1.0 if len(self.calls) - 1 in self.slow_calls else 0.0)
 
     @staticmethod
     def target_seconds(tokens: int) -> float:
@@ -241,12 +245,12 @@ class TimedEngine:
     def target(self, input_ids, *args):
         tokens = input_ids.numel()
         self.calls.append(("target", tokens))
-        self.clock.now += self.target_seconds(tokens)
+        self._advance(self.target_seconds(tokens))
         return self.inner.target(input_ids, *args)
 
     def draft_step(self, hidden, token, head):
         self.calls.append(("draft", token.numel()))
-        self.clock.now += self.draft_seconds(token.numel())
+        self._advance(self.draft_seconds(token.numel()))
         return self.inner.draft_step(hidden, token, head)
 
 
@@ -262,10 +266,25 @@ def test_calibrate_measures_each_token_count(tiny_engine, monkeypatch):
     assert counts == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert model.target == [[n, pytest.approx(TimedEngine.target_seconds(n))] for n in counts]
     assert model.draft == [[n, pytest.approx(TimedEngine.draft_seconds(n))] for n in counts]
-    # one warm-up and two timed calls per count, target first
-    assert engine.calls == [("target", n) for n in counts for _ in range(3)] + [("draft", n) for n in counts
-                                                                                for _ in range(3)]
+    # one warm-up call per job, then two rounds of all jobs, the second in an order rotated by one
+    jobs = [("target", n) for n in counts] + [("draft", n) for n in counts]
+    assert engine.calls == jobs + jobs + jobs[1:] + jobs[:1]
     assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
+
+
+def test_calibration_spreads_a_burst_of_load_over_many_points(tiny_engine, monkeypatch):
+    """Five consecutive calls slowed by a burst: interleaved rounds give each point at most one slow sample,
+    which the median of five drops; timed point by point, one point would have had all five."""
+    import clover.adaptive as adaptive
+
+    clock = FakeClock()
+    monkeypatch.setattr(adaptive, "time", clock)
+    counts = token_counts(16)
+    first_timed_round = 2 * len(counts)  # after the warm-up calls
+    engine = TimedEngine(tiny_engine, clock, slow_calls=range(first_timed_round + 3, first_timed_round + 8))
+    model = calibrate(engine, max_tokens=16, repeats=5)
+    assert model.target == [[n, pytest.approx(TimedEngine.target_seconds(n))] for n in counts]
+    assert model.draft == [[n, pytest.approx(TimedEngine.draft_seconds(n))] for n in counts]
 
 
 def test_calibrated_onnx_engine(tmp_path):
