@@ -538,6 +538,15 @@ def test_commands_end_to_end(tiny, tmp_path):
     assert f"| assistant tokens trained on (loss positions) | {summaries[0]['assistant_tokens']:,} |" in card
     assert "head 3 top-5" in card and "clover / medusa" in card
     assert load_drafter(shipped, tiny["target"]).config.method == "clover"
+    # with MT-bench results in the report, the card carries the tau tables too
+    report["settings"]["mtbench_max_new_tokens"] = 128
+    report["runs"]["clover"]["mtbench"] = {"4": {"overall": {"tokens_per_step": 1.234, "sequences": 2},
+                                                 "by_category": {"coding": {"tokens_per_step": 1.5}}}}
+    (out / "eval.json").write_text(json.dumps(report))
+    assert ship_heads.main(["--run", str(tmp_path / "runs" / "clover"), "--output", str(shipped), "--name", "clover",
+                            "--eval", str(out)]) == 0
+    card = (shipped / "README.md").read_text()
+    assert "| clover | 1.234 |" in card and "| coding | 1.500 |" in card and "head 3 top-5" in card
     assert ship_heads.main(["--run", str(tmp_path / "nothing"), "--output", str(shipped), "--name", "x"]) == 2
 
 

@@ -25,7 +25,7 @@ if __package__ in (None, ""):
 
 from clover.drafters import DRAFT_VOCAB_FILE  # noqa: E402
 from training.data import CATEGORY_TITLES  # noqa: E402
-from training.evaluate import markdown as eval_markdown  # noqa: E402
+from training.evaluate import markdown as eval_markdown, mtbench_markdown  # noqa: E402
 
 SHIPPED_FILES = ("config.json", "model.safetensors")
 METHOD_TITLES = {
@@ -128,7 +128,7 @@ def model_card(name: str, summary: dict, data: dict | None, report: dict | None,
     if init_card:
         lines += starting_point_section(cfg["init"], init_card)
     if report is not None:
-        lines += ["## Evaluation (eval split)", "", eval_markdown(report).strip(), ""]
+        lines += ["## Evaluation", "", eval_markdown(report).strip(), "", mtbench_markdown(report).strip(), ""]
     if commands:
         lines += ["## Reproduce", "", "```bash", commands.strip(), "```", ""]
     lines += ["## Limits", "",
