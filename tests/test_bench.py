@@ -293,3 +293,20 @@ def test_run_key_holds_what_changes_the_measurements(tmp_path, monkeypatch):
                    ["--sweeps", "batch"], ["--num-prompts", "3"], ["--medusa-engine", "m"], ["--budget", "2"],
                    ["--extra-engine", "q8=x"], ["--batch-sizes", "1,2"]):
         assert run_key(parse_args(["--engine", "e", "--quick", *change])) != base, change
+
+
+def test_aims_pair_each_repeat_with_its_own_vanilla_run():
+    from clover.bench import aims, paired_ratio
+
+    def sample(method, repeat, rate, x=1):
+        return {"sweep": "batch", "x": x, "method": method, "repeat": repeat, "tokens_per_s": rate}
+
+    # the machine drifts between repeats (vanilla 10, 30, 20 tokens/s); each repeat's own ratio is what counts
+    samples = [sample("vanilla", 0, 10.0), sample("default-clover", 0, 15.0), sample("vanilla", 1, 30.0),
+               sample("default-clover", 1, 30.0), sample("vanilla", 2, 20.0), sample("default-clover", 2, 24.0),
+               sample("default-clover", 3, 99.0)]  # no vanilla run in repeat 3: no pair
+    stat = paired_ratio(samples, "batch", "default-clover", "vanilla", 1)
+    assert stat == pytest.approx({"median": 1.2, "min": 1.0, "max": 1.5, "n": 3})
+    row = next(a for a in aims(samples) if a["aim"] == "default clover / vanilla tokens/s, batch 1" and a["goal"] == 0.95)
+    assert row["ratio"] == pytest.approx(1.2) and row["min"] == pytest.approx(1.0) and row["met"] is True
+    assert paired_ratio(samples, "batch", "default-clover", "vanilla", 8) is None
