@@ -380,7 +380,8 @@ def calibrate(engine, max_tokens: int = 64, repeats: int = 5, past: int = 32, so
             lambda n: (torch.randn(1, n, spec.hidden_size, generator=gen).to(spec.dtype),
                        torch.randint(0, spec.vocab_size, (1, n), generator=gen)))})
     seconds = _median_seconds(jobs, repeats, spec.device)
-    points = {kind: [[n, t] for (k, n), t in seconds.items() if k == kind] for kind in ("target", "draft", "draft_prefill")}
+    points = {kind: [[n, t] for (k, n), t in seconds.items() if k == kind]
+              for kind in ("target", "draft", "draft_prefill")}
     return CostModel(points["target"], points["draft"], source=source, draft_prefill=points["draft_prefill"])
 
 
