@@ -753,15 +753,16 @@ def markdown(report: dict) -> str:
             lines.append("")
     adaptive = [s for s in report["samples"] if "budgets" in s]
     if adaptive:
-        lines += ["## adaptive clover: budgets chosen (steps per budget, all repeats)", "", "| batch | budgets |",
-                  "|---|---|"]
-        for batch in sorted({s["batch"] for s in adaptive}):
+        lines += ["## Budgets chosen by the adaptive lines (steps per budget, all repeats)", "",
+                  "| line | batch | budgets |", "|---|---|---|"]
+        for method, batch in sorted({(s["method"], s["batch"]) for s in adaptive}):
             counts: dict[str, int] = {}
             for s in adaptive:
-                if s["batch"] == batch:
+                if (s["method"], s["batch"]) == (method, batch):
                     for b, n in s["budgets"].items():
                         counts[b] = counts.get(b, 0) + n
-            lines.append(f"| {batch} | " + ", ".join(f"{b}: {n}" for b, n in sorted(counts.items(), key=lambda kv: int(kv[0]))) + " |")
+            chosen = ", ".join(f"{b}: {n}" for b, n in sorted(counts.items(), key=lambda kv: int(kv[0])))
+            lines.append(f"| {method} | {batch} | {chosen} |")
         lines.append("")
     if report.get("step_costs"):
         batch = report["sweeps"].get("batch", {}).get("methods", {}).get("clover")

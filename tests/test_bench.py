@@ -72,6 +72,9 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
                 per_repeat.setdefault(s["repeat"], set()).add((s["x"], s["method"]))
         assert len(per_repeat) == 2 and len({frozenset(v) for v in per_repeat.values()}) == 1
     assert any("budgets" in s for s in report["samples"] if s["method"] == "adaptive-clover")
+    # each adaptive line's choices on rows of their own (the default line is adaptive only with a stored model)
+    md_rows = (out / "bench.md").read_text().splitlines()
+    assert any(row.startswith("| adaptive-clover | 1 | ") for row in md_rows)
     assert {a["aim"].split(",")[0] for a in report["aims"]} >= {"default clover / vanilla tokens/s",
                                                                "adaptive clover / vanilla tokens/s"}
     md = (out / "bench.md").read_text()
