@@ -513,13 +513,20 @@ def test_clover_serve_drains_on_signal_with_long_requests_in_flight(install, tin
     try:
         states, threads = serve.streams(4, end_id)
         serve.proc.send_signal(signum)
-        time.sleep(0.3)
-        late = {}
-        try:  # a request after the signal: refused with a clear error (or no server left to connect to)
-            with GrpcClient(serve.grpc_url) as client:
-                late["result"] = collect(client.stream("hi", 4))
-        except (ClientError, Exception) as exc:  # noqa: B014 (tritonclient raises its own types too)
-            late["error"] = str(exc)
+        # requests after the drain began: refused with a clear error (or no server left to connect to). The drain
+        # reaches the model through clover serve's signal handler and the model's 0.1 s poll of the drain file,
+        # later on a loaded machine, so a request sent before it took effect may still be served: retry until
+        # one is refused, for at most 10 s
+        late, accepted, deadline = {}, [], time.monotonic() + 10.0
+        while "error" not in late and time.monotonic() < deadline:
+            time.sleep(0.2)
+            try:
+                with GrpcClient(serve.grpc_url) as client:
+                    accepted.append(collect(client.stream("hi", 4)))
+            except (ClientError, Exception) as exc:  # noqa: B014 (tritonclient raises its own types too)
+                late["error"] = str(exc)
+        assert "error" in late, accepted
+        assert all(r.finish_reason in ("length", "cancelled") for r in accepted), accepted  # served whole if at all
         assert serve.proc.wait(drain_s + 40) == 0, serve.output
         for t in threads:
             t.join(30)
@@ -530,7 +537,6 @@ def test_clover_serve_drains_on_signal_with_long_requests_in_flight(install, tin
             assert "error" not in state and state["reason"] in ("cancelled", "length"), state
         if drain_s == 0:
             assert all(state["reason"] == "cancelled" for state in states)
-        assert "result" not in late, late
         serve.check_nothing_left()
     finally:
         serve.close()
