@@ -110,10 +110,10 @@ def decode_steps(table: dict) -> int:
     return table["new_tokens"] - 1
 
 
-def step_seconds(cost: CostModel, budget: int, depth: int, top_k: int, host: dict[int, float]) -> float:
-    """Modelled batch-1 step: the cost model's target pass and draft steps, plus the decode loop's host work."""
+def step_seconds(cost: CostModel, budget: int, tokens: int, depth: int, top_k: int, host: dict[int, float]) -> float:
+    """Modelled batch-1 step that accepts ``tokens``: the cost model's step, plus the decode loop's host work."""
     extra = host["vanilla"] if budget == 0 else host["speculative"]
-    return cost.target_time(1 + budget) + cost.draft_time(1, budget, depth, top_k) + extra
+    return cost.step_time(1, budget, tokens, depth, top_k) + extra
 
 
 def replay(table: dict, setting: Setting, cost: CostModel, depth: int, top_k: int, max_budget: int,
@@ -128,10 +128,10 @@ def replay(table: dict, setting: Setting, cost: CostModel, depth: int, top_k: in
     while position < decode_steps(table):  # root `position`: the first generated token is position 0
         budget = chooser.choose(1) if chooser else setting.fixed_budget
         gained = accepted[budget][position] if budget else 0
-        took = step_seconds(cost, budget, depth, top_k, host)
+        took = step_seconds(cost, budget, gained + 1, depth, top_k, host)
         if chooser:
             chooser.observe(budget, [gained])
-            chooser.observe_time(1, budget, took)
+            chooser.observe_time(1, budget, took, gained + 1)
         position += gained + 1
         seconds += took
         chosen.append(budget)
@@ -140,7 +140,7 @@ def replay(table: dict, setting: Setting, cost: CostModel, depth: int, top_k: in
 
 def summarize(tables: list[dict], settings: list[Setting], cost: CostModel, depth: int, top_k: int,
               max_budget: int, host: dict) -> list[dict]:
-    vanilla = [decode_steps(t) * step_seconds(cost, 0, depth, top_k, host) for t in tables]
+    vanilla = [decode_steps(t) * step_seconds(cost, 0, 1, depth, top_k, host) for t in tables]
     # the same prompts with useless heads (nothing ever accepted): what a setting loses where drafting never pays
     useless = [{**t, "accepted": {b: [0] * len(v) for b, v in t["accepted"].items()}} for t in tables]
     rows = []

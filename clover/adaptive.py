@@ -115,6 +115,14 @@ class CostModel(JsonMixin):
         levels = min(depth, budget)
         return sum(self.draft_step_time(batch * min(budget, top_k**d)) for d in range(levels))
 
+    def step_time(self, batch: int, budget: int, tokens_per_step: float, depth: int, top_k: int = 8) -> float:
+        """Seconds of one decode step of ``batch`` sequences at ``budget`` (0: vanilla) that accepts
+        ``tokens_per_step`` per sequence: the target pass over every tree, the tree's draft steps, and Clover-2's
+        ``draft_prefill`` over the accepted positions (0 for other engines). The one step-time rule of the
+        chooser, its time correction and ``benchmarks/chooser_replay.py``."""
+        return (self.target_time(batch * (1 + budget)) + self.draft_time(batch, budget, depth, top_k)
+                + self.draft_prefill_time(batch * tokens_per_step))
+
 
 def prior_tokens_per_step(budget: int, depth: int) -> float:
     """A conservative prior for E[tokens/step | budget]: 1 + (1 - 0.8^min(budget, 4·depth)) · 0.4 · depth.
@@ -185,8 +193,7 @@ class AcceptanceModel:
 def expected_throughput(batch: int, budget: int, cost: CostModel, tokens_per_step: float, depth: int,
                         top_k: int = 8) -> float:
     """Expected tokens/s of one decode step: ``batch * tokens_per_step / step seconds``."""
-    seconds = (cost.target_time(batch * (1 + budget)) + cost.draft_time(batch, budget, depth, top_k)
-               + cost.draft_prefill_time(batch * tokens_per_step))
+    seconds = cost.step_time(batch, budget, tokens_per_step, depth, top_k)
     return batch * tokens_per_step / seconds if seconds > 0 else math.inf
 
 
@@ -292,12 +299,13 @@ class AdaptiveBudget:
             return self._time_ratio.get((batch, budget), 1.0)
         return self._time_ratio[(batch, min(observed, key=lambda b: (abs(b - budget), b)))]
 
-    def observe_time(self, batch: int, budget: int, seconds: float, decay: float = 0.8) -> None:
-        """One decode step of ``batch`` sequences at ``budget`` took ``seconds`` (drafting, verification and host
-        work): folded into that pair's correction of the cost model, so a budget the model rates too cheap on
-        this machine stops being chosen after a few steps. Vanilla steps are corrected the same way."""
-        predicted = self.cost.target_time(batch * (1 + budget)) + self.cost.draft_time(batch, budget, self.depth,
-                                                                                       self.top_k)
+    def observe_time(self, batch: int, budget: int, seconds: float, tokens_per_step: float = 1.0,
+                     decay: float = 0.8) -> None:
+        """One decode step of ``batch`` sequences at ``budget`` took ``seconds`` (drafting, verification, Clover-2's
+        draft prefill over the ``tokens_per_step`` accepted per sequence, and host work): folded into that pair's
+        correction of the cost model, so a budget the model rates too cheap on this machine stops being chosen
+        after a few steps. Vanilla steps are corrected the same way."""
+        predicted = self.cost.step_time(batch, budget, tokens_per_step, self.depth, self.top_k)
         if predicted <= 0 or seconds <= 0:
             return
         key, ratio = (batch, budget), seconds / predicted

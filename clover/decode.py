@@ -469,7 +469,8 @@ class SpeculativeDecoder:
             events.append(self._event(seq, seq.emit(acc.tokens), step_counts))
         self._draft_after_step(seqs, result.h0, accepted)
         if self.adaptive is not None and self.adaptive.step_timing:  # what this budget really costs here
-            self.adaptive.observe_time(len(seqs), tree.budget, time.perf_counter() - started)
+            self.adaptive.observe_time(len(seqs), tree.budget, time.perf_counter() - started,
+                                       sum(len(a.path) for a in accepted) / len(accepted))
         self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
         return events
 

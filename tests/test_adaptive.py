@@ -362,12 +362,27 @@ def test_the_decode_loop_reports_every_step_time_to_the_chooser(monkeypatch):
     for step_timing in (True, False):
         seen = []
         monkeypatch.setattr(AdaptiveBudget, "observe_time",
-                            lambda self, batch, budget, seconds: seen.append((batch, budget, seconds)))
+                            lambda self, batch, budget, seconds, tokens: seen.append((batch, budget, seconds, tokens)))
         decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4, adaptive=True), cost_model=ROOFLINE,
                                      step_timing=step_timing)
         results = decoder.generate([GenerationRequest(p, max_new_tokens=12, stop_token_ids=()) for p in prompts])
         assert [r.token_ids for r in results] == hf_greedy(target, prompts, 12)
         if step_timing:
-            assert [(n, b) for n, b, _ in seen] == decoder.adaptive.history and all(s > 0 for _, _, s in seen)
+            assert [(n, b) for n, b, _, _ in seen] == decoder.adaptive.history and all(s > 0 for _, _, s, _ in seen)
+            # tokens per sequence this step: exactly 1 on vanilla steps, 1 to budget + 1 on trees
+            assert all(t == 1 if b == 0 else 1 <= t <= b + 1 for _, b, _, t in seen)
         else:
             assert seen == [] and decoder.adaptive.history
+
+
+def test_the_time_correction_counts_the_draft_prefill_like_the_chooser():
+    """A step that took exactly what the cost model says, Clover-2's draft prefill over the accepted tokens
+    included, needs no correction: with the prefill left out of the prediction (as before CostModel.step_time),
+    the ratio came out above 1 and penalised the budgets that accept most."""
+    cost = CostModel([[1, 0.010], [64, 0.040]], [[1, 0.001], [64, 0.004]], draft_prefill=[[1, 0.002], [64, 0.020]])
+    chooser = AdaptiveBudget(cost, depth=3, top_k=8, max_budget=8, step_timing=True)
+    for budget, tokens in ((0, 1.0), (4, 2.5), (8, 3.0)):
+        chooser.observe_time(2, budget, cost.step_time(2, budget, tokens, 3, 8), tokens)
+        assert chooser._ratio(2, budget) == pytest.approx(1.0)
+    assert cost.step_time(2, 4, 2.5, 3) == pytest.approx(
+        cost.target_time(10) + cost.draft_time(2, 4, 3) + cost.draft_prefill_time(5))
