@@ -10,7 +10,8 @@ Three measurements on engines built by ``export/build_engine.py``:
 ``passes``
     isolated target-pass wall times of several engines, alternating engine by engine inside every round so
     all see the same machine load; medians and min-max over rounds. Also a read-bandwidth measurement and
-    the batch-1 pass as a ratio to weight bytes / bandwidth.
+    the batch-1 pass as a ratio to weight bytes / bandwidth. ``--engine LABEL=torch:bfloat16`` adds the demo
+    target's torch reference in that dtype (an fp16 onnxruntime engine takes its own fp16 feeds).
 ``threads``
     vanilla decode steps in the real decode loop (:class:`clover.decode.SpeculativeDecoder`) with different
     ``intra_op_num_threads``, alternating settings inside every round.
@@ -19,6 +20,7 @@ Usage::
 
     python benchmarks/target_pass.py profile --engine engines/demo --batches 1 8
     python benchmarks/target_pass.py passes --engine old=/tmp/eng-old --engine new=/tmp/eng-new --rounds 7
+    python benchmarks/target_pass.py passes --engine ort=engines/demo --engine bf16=torch:bfloat16
     python benchmarks/target_pass.py threads --engine engines/demo --threads 1 2 --batches 1 8 --rounds 3
 """
 
@@ -55,6 +57,7 @@ def pass_inputs(spec, batch: int, tokens: int, past: int):
     return ids, positions, lengths, causal_packed_mask(batch, tokens), k, v
 
 
+@torch.inference_mode()
 def time_passes(engine, inputs, repeats: int) -> list[float]:
     engine.target(*inputs)  # warm-up
     times = []
@@ -123,17 +126,41 @@ def alternating_rounds(args, engines: dict, measure, key) -> dict[str, list[floa
     return rows
 
 
+def load_pass_engine(path: str, args):
+    """An onnxruntime engine directory, or ``torch:DTYPE`` (e.g. ``torch:bfloat16``): the demo target's torch
+    reference with weights and KV cache in that dtype (no ONNX Runtime CPU kernel takes bf16 MatMuls:
+    docs/results/target-pass/README.md#low-precision)."""
+    if not path.startswith("torch:"):
+        from clover.backends.onnxruntime import OnnxRuntimeEngine
+
+        return OnnxRuntimeEngine(path)
+    from clover.backends.torch import TorchEngine
+    from clover.demo import demo_checkpoint
+    from clover.target import load_target
+
+    target = load_target(demo_checkpoint(), dtype=getattr(torch, path.split(":", 1)[1]))
+    engine = TorchEngine(target, None, max_seq_len=args.torch_max_seq)
+    engine.weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    return engine
+
+
+def target_weight_bytes(engine) -> int:
+    """Bytes of the target's weights: the ONNX weight file, or the torch module's parameters."""
+    if hasattr(engine, "weight_bytes"):
+        return engine.weight_bytes
+    return (Path(engine.engine_dir) / (engine.meta.files["target"] + ".data")).stat().st_size
+
+
 def passes(args) -> dict:
     """Isolated target passes of several engines, alternated inside every round."""
-    from clover.backends.onnxruntime import OnnxRuntimeEngine
-
-    engines = {label: OnnxRuntimeEngine(path) for label, path in (e.split("=", 1) for e in args.engine)}
-    first = next(iter(engines.values()))
-    inputs = {b: pass_inputs(first.spec, b, args.tokens, args.past) for b in args.batches}
+    engines = {label: load_pass_engine(path, args) for label, path in (e.split("=", 1) for e in args.engine)}
+    # one set of feeds per cache layout (an fp16 engine takes an fp16 KV cache, a Clover engine one more layer)
+    layout = lambda spec: (spec.dtype, spec.num_kv_layers, spec.max_seq_len)  # noqa: E731
+    inputs = {(layout(e.spec), b): pass_inputs(e.spec, b, args.tokens, args.past)
+              for e in engines.values() for b in args.batches}
     rows = alternating_rounds(args, engines, lambda engine, batch: statistics.median(
-        time_passes(engine, inputs[batch], args.repeats)), lambda label, batch: f"{label} b{batch}")
-    weight_bytes = {label: (Path(e.engine_dir) / (e.meta.files["target"] + ".data")).stat().st_size
-                    for label, e in engines.items()}
+        time_passes(engine, inputs[layout(engine.spec), batch], args.repeats)), lambda label, batch: f"{label} b{batch}")
+    weight_bytes = {label: target_weight_bytes(e) for label, e in engines.items()}
     best_bw = max(rows["bandwidth_gbs"])
     print(f"\nbatch · T={args.tokens} · past={args.past}: target pass ms, median (min–max) of {args.rounds} rounds, "
           f"each the median of {args.repeats} passes")
@@ -208,7 +235,10 @@ def main() -> None:
         s.add_argument("--batches", type=int, nargs="+", default=[1, 8])
         s.add_argument("--output", type=Path, help="also write the raw numbers as JSON here")
         if name == "passes":
-            s.add_argument("--engine", action="append", required=True, help="LABEL=DIR; repeat to compare")
+            s.add_argument("--engine", action="append", required=True,
+                           help="LABEL=DIR or LABEL=torch:DTYPE (the demo target's torch reference); repeat to compare")
+            s.add_argument("--torch-max-seq", type=int, default=2048,
+                           help="KV-cache positions of torch:DTYPE engines (default: 2048, the demo engine's)")
         else:
             s.add_argument("--engine", default="engines/demo", help="engine directory (default: engines/demo)")
         if name == "threads":
