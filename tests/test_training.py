@@ -850,12 +850,15 @@ def test_init_starts_from_trained_heads(tiny, cache_dir, tmp_path):
     assert tiny_config(cache_dir, tmp_path, init="x").resume_key()["init"] == "x"
     from training import ship_heads  # the card of fine-tuned heads carries their starting heads' card
     (tmp_path / "first" / "README.md").write_text("# first\n## Training\n| steps | 7 |\n## Data\nsome prompts\n"
-                                                  "## Limits\nnot kept\n")
+                                                  "## Limits\nnot kept\n## Starting point\nolder heads\n"
+                                                  "### Data\nolder prompts\n")
     assert ship_heads.main(["--run", str(tmp_path / "again"), "--output", str(tmp_path / "first"),
                             "--name", "clover"]) == 0  # over its own starting point, as when updating shipped heads
     card = (tmp_path / "first" / "README.md").read_text()
     assert "## Starting point" in card and "### Training\n| steps | 7 |" in card and "some prompts" in card
     assert "not kept" not in card
+    # a chain of fine-tunes: the starting heads' own starting point comes along, one level further down
+    assert "### Starting point\nolder heads\n#### Data\nolder prompts" in card
     with pytest.raises(ConfigError, match="--init"):  # other heads than the run trains
         train_mod.train(tiny_config(cache_dir, tmp_path / "medusa", method="medusa", init=str(tmp_path / "first")),
                         target=tiny["target"])

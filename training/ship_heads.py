@@ -74,12 +74,13 @@ def data_section(data: dict) -> list[str]:
 
 
 def starting_point_section(init: str, init_card: str) -> list[str]:
-    """A fine-tuned run's starting heads (``train.py --init``): their own card's Training and Data sections,
-    one heading level down, so the card accounts for all the data the heads have seen."""
+    """A fine-tuned run's starting heads (``train.py --init``): their own card's Training and Data sections, and
+    their own Starting point where they were fine-tuned too, one heading level down, so the card accounts for all
+    the data the heads have seen along a chain of fine-tunes."""
     kept, keep = [], False
     for line in init_card.splitlines():
         if line.startswith("## "):
-            keep = line[3:].strip() in ("Training", "Data")
+            keep = line[3:].strip() in ("Training", "Data", "Starting point")
         if keep:
             kept.append("#" + line if line.startswith("#") else line)
     return ["## Starting point", "",
