@@ -191,6 +191,10 @@ def test_triton_model_drains_when_the_drain_file_appears(tiny_engine_dir, refere
     model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1"))
     try:
         running = long_stream_request(end_id)
+        # each update takes 10 ms to send (the callback runs on the decode thread), so the stream's 250 tokens
+        # outlast the 0.2 s drain on any machine: on a fast CPU the tiny engine decoded them all within it
+        send = running.sender.send
+        running.sender.send = lambda response=None, flags=0: (time.sleep(0.01), send(response, flags))
         model.execute([running])
         _wait_until(lambda: len(running.sender.responses) >= 2, what="a running stream")
         drain.write_text("0.2\n")  # what TritonServer.request_drain writes
