@@ -34,6 +34,7 @@ import statistics
 import time
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from clover.config import ConfigError, JsonMixin
@@ -115,12 +116,15 @@ class CostModel(JsonMixin):
         levels = min(depth, budget)
         return sum(self.draft_step_time(batch * min(budget, top_k**d)) for d in range(levels))
 
-    def step_time(self, batch: int, budget: int, tokens_per_step: float, depth: int, top_k: int = 8) -> float:
+    def step_time(self, batch: int, budget: int, tokens_per_step: float, depth: int, top_k: int = 8,
+                  tree_tokens: float | None = None) -> float:
         """Seconds of one decode step of ``batch`` sequences at ``budget`` (0: vanilla) that accepts
         ``tokens_per_step`` per sequence: the target pass over every tree, the tree's draft steps, and Clover-2's
         ``draft_prefill`` over the accepted positions (0 for other engines). The one step-time rule of the
-        chooser, its time correction and ``benchmarks/chooser_replay.py``."""
-        return (self.target_time(batch * (1 + budget)) + self.draft_time(batch, budget, depth, top_k)
+        chooser, its time correction and ``benchmarks/chooser_replay.py``. ``tree_tokens``: the trees' mean
+        size when it is not ``1 + budget`` (model-free candidates merged in, docs/trees.md#model-free-candidates)."""
+        tokens = 1 + budget if tree_tokens is None else tree_tokens
+        return (self.target_time(batch * tokens) + self.draft_time(batch, budget, depth, top_k)
                 + self.draft_prefill_time(batch * tokens_per_step))
 
 
@@ -300,18 +304,33 @@ class AdaptiveBudget:
         return self._time_ratio[(batch, min(observed, key=lambda b: (abs(b - budget), b)))]
 
     def observe_time(self, batch: int, budget: int, seconds: float, tokens_per_step: float = 1.0,
-                     decay: float = 0.8) -> None:
+                     decay: float = 0.8, tree_tokens: float | None = None) -> None:
         """One decode step of ``batch`` sequences at ``budget`` took ``seconds`` (drafting, verification, Clover-2's
         draft prefill over the ``tokens_per_step`` accepted per sequence, and host work): folded into that pair's
         correction of the cost model, so a budget the model rates too cheap on this machine stops being chosen
-        after a few steps. Vanilla steps are corrected the same way."""
-        predicted = self.cost.step_time(batch, budget, tokens_per_step, self.depth, self.top_k)
+        after a few steps. Vanilla steps are corrected the same way. ``tree_tokens``: the trees' mean size when
+        model-free candidates changed it from ``1 + budget``."""
+        predicted = self.cost.step_time(batch, budget, tokens_per_step, self.depth, self.top_k, tree_tokens)
         if predicted <= 0 or seconds <= 0:
             return
         key, ratio = (batch, budget), seconds / predicted
         old = self._time_ratio.get(key)
         self._time_ratio[key] = ratio if old is None else decay * old + (1.0 - decay) * ratio
         self._choices.pop(batch, None)
+
+    def node_threshold(self, batch: int, budget: int, tree_tokens: float | None = None) -> float:
+        """The least acceptance probability for which one more tree node per sequence pays, at ``batch`` sequences
+        and a heads' ``budget`` (docs/trees.md#model-free-candidates).
+
+        A step of E expected tokens per sequence takes ``s`` seconds; one more node per sequence adds p expected
+        tokens and ``Δ = target_time(B·(T+1)) - target_time(B·T)`` seconds, so it pays when
+        ``(E + p) / (s + Δ) >= E / s``, i.e. ``p >= E·Δ / s``. ``tree_tokens``: T, default 1 + budget.
+        """
+        expected = self.acceptance.expected(budget)
+        tokens = 1 + budget if tree_tokens is None else tree_tokens
+        step = self.cost.step_time(batch, budget, expected, self.depth, self.top_k)
+        extra = self.cost.target_time(batch * (tokens + 1)) - self.cost.target_time(batch * tokens)
+        return expected * max(extra, 0.0) / step if step > 0 else 0.0
 
     def observe(self, budget: int, accepted_per_sequence: Sequence[int]) -> None:
         """One step's accepted draft tokens per sequence at ``budget``."""
@@ -406,3 +425,49 @@ def _chain_jobs(call, spec, num_layers: int, counts: list[int], past: int, first
     lengths = torch.tensor([past], dtype=torch.int32)
     return [(n, functools.partial(call, *first_inputs(n), torch.arange(past, past + n)[None], lengths,
                                   causal_packed_mask(1, n), k_cache, v_cache)) for n in counts]
+
+
+@dataclasses.dataclass
+class SourceCalibration:
+    """How far each candidate source's raw probabilities are from its measured acceptance, per tree depth
+    (docs/trees.md#model-free-candidates): the factor that puts the heads' and the suffix index's candidates on
+    one scale when they share a tree.
+
+    Rows: 0 the heads (raw: the joint path probability of their draft), 1..4 suffix candidates whose matched
+    suffix was 1, 2, 3, >= 4 tokens long (raw: count ÷ occurrences). Per row and depth, factor = EMA(accepted
+    nodes) ÷ EMA(sum of raw probabilities of the nodes proposed), from ``prior`` with ``prior_weight`` pseudo
+    nodes. The suffix prior is conservative (a 1-token match says little), and the heads' is 1 (their draft
+    probability as it is) until measured.
+    """
+
+    max_depth: int
+    decay: float = 0.9  # per decode step
+    prior: tuple[float, ...] = (1.0, 0.25, 0.45, 0.65, 0.85)
+    prior_weight: float = 2.0
+    predicted: np.ndarray = dataclasses.field(init=False)
+    accepted: np.ndarray = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.predicted = np.full((len(self.prior), self.max_depth + 1), self.prior_weight)
+        self.accepted = self.predicted * np.asarray(self.prior)[:, None]
+
+    def factors(self) -> np.ndarray:
+        """float ``[rows, max_depth + 1]``: accepted ÷ predicted."""
+        return self.accepted / self.predicted
+
+    def observe(self, depths: np.ndarray, bits: np.ndarray, raw: np.ndarray, keys: np.ndarray,
+                on_path: np.ndarray) -> None:
+        """One step's trees: depths int ``[B, T]``, bits ``[B, T]`` (bit 0 heads, bit 1 suffix), raw ``[B, T, 2]``
+        each source's raw probability, keys ``[B]`` each sequence's suffix row, on_path bool ``[B, T]`` the
+        accepted nodes. Nodes proposed by both sources count for both."""
+        shape = self.predicted.shape
+        depth = depths.clip(0, shape[1] - 1)
+        predicted, accepted = np.zeros(shape), np.zeros(shape)
+        for column, rows in ((0, np.zeros_like(keys)), (1, keys)):
+            proposed = ((bits >> column) & 1).astype(bool) & (depths > 0)
+            b, t = np.nonzero(proposed)
+            np.add.at(predicted, (rows[b], depth[b, t]), raw[b, t, column])
+            np.add.at(accepted, (rows[b], depth[b, t]), on_path[b, t])
+        seen = predicted > 0
+        self.predicted[seen] = self.decay * self.predicted[seen] + predicted[seen]
+        self.accepted[seen] = self.decay * self.accepted[seen] + accepted[seen]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+PROPOSERS = ("suffix", "none")  # model-free tree candidates (TreeConfig.proposer)
 DRAFTER_METHODS = ("clover", "clover2", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment")
 
 
@@ -224,6 +225,11 @@ class TreeConfig(JsonMixin):
     cost model is available and the tree is dynamic, so speculation never costs
     more than it saves (docs/trees.md#adaptive-tree-budget); ``True`` requires a
     cost model; ``False`` keeps the fixed ``budget`` every step.
+    ``proposer``: model-free candidates merged into the same tree (docs/trees.md#model-free-candidates):
+    ``suffix`` (continuations of the text's longest repeated suffix, :mod:`clover.suffix`) or ``none`` (the
+    heads alone). ``None`` (the default) means ``suffix`` for dynamic trees and ``none`` for static ones.
+    Both sources share ``budget``. ``proposer_depth``: the deepest model-free candidate (they are not limited
+    by the head count).
     """
 
     budget: int = 4
@@ -232,10 +238,18 @@ class TreeConfig(JsonMixin):
     prune_ratio: float = 0.02
     static_choices: list[list[int]] | None = None
     adaptive: bool | None = None
+    proposer: str | None = None
+    proposer_depth: int = 8
 
     def __post_init__(self) -> None:
         if self.budget < 0:
             raise ConfigError("tree budget must be >= 0")
+        if self.proposer not in (None, *PROPOSERS):
+            raise ConfigError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
+        if self.proposer == "suffix" and self.static_choices is not None:
+            raise ConfigError("the suffix proposer needs a dynamic tree, not static_choices (use proposer 'none')")
+        if self.proposer_depth < 1:
+            raise ConfigError(f"proposer_depth must be >= 1, got {self.proposer_depth}")
         if self.adaptive and self.static_choices is not None:
             raise ConfigError("adaptive speculation needs a dynamic tree, not static_choices")
         if self.top_k < 1:
@@ -249,6 +263,11 @@ class TreeConfig(JsonMixin):
                     raise ConfigError(f"static tree path {list(path)} has no parent {list(path[:-1])}")
                 if max(path) >= self.top_k:
                     raise ConfigError(f"static tree path {list(path)} needs top_k > {max(path)}")
+
+    @property
+    def suffix_candidates(self) -> bool:
+        """Whether model-free suffix candidates join the tree (``proposer`` resolved)."""
+        return self.proposer == "suffix"  # TODO(coordinator): None -> suffix for dynamic trees once clover/suffix.py lands
 
 
 @dataclasses.dataclass

@@ -7,6 +7,9 @@ sequence: build the token trees with the engine's ``draft_step``, verify them in
 one ``target`` pass, write the accepted tokens' K/V, emit tokens, stop
 sequences. New requests join between steps (in-flight batching); finished or
 cancelled ones leave at once. ``vanilla`` is the same loop with root-only trees.
+Model-free candidates (a per-request suffix index, :mod:`clover.suffix`) join the
+heads' trees in the same tree builder (docs/trees.md#model-free-candidates);
+``suffix`` decodes with them alone, on an engine with or without heads.
 """
 
 from __future__ import annotations
@@ -18,17 +21,25 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from clover.adaptive import AdaptiveBudget, CostModel
+import numpy as np
+
+from clover.adaptive import AdaptiveBudget, CostModel, SourceCalibration
 from clover.attention import causal_packed_mask
 from clover.stats import tokens_per_step
 from clover.config import ConfigError, SamplingConfig, TreeConfig
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
 from clover.host_ops import as_numpy, cpu_tensor, take_rows
-from clover.tree import TreeBatch, draft_tree_batch, root_batch
+from clover.tree import SOURCE_HEADS, TreeBatch, TreeMerge, draft_tree_batch, root_batch
 from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
 
-METHODS = ("vanilla", "medusa", "clover", "clover2")
+METHODS = ("vanilla", "medusa", "clover", "clover2", "suffix")
+HEAD_METHODS = ("medusa", "clover", "clover2")  # the methods that draft with trained heads
+
+
+def uses_heads(method: str) -> bool:
+    """Whether ``method`` drafts with the engine's heads (``suffix`` and ``vanilla`` do not)."""
+    return method in HEAD_METHODS
 
 
 def refuse_empty_prompt(prompt: str | Sequence[int]) -> None:
@@ -170,6 +181,7 @@ class _Sequence:
         self.generator = torch.Generator().manual_seed(request.seed)
         self.root_token = -1
         self.root_hidden: torch.Tensor | None = None
+        self.suffix = None  # SuffixIndex  # over the prompt and the emitted tokens, with the suffix proposer
 
     def emit(self, tokens: list[int]) -> list[int]:
         """Append tokens, cutting at EOS, max tokens or a stop string; returns what was kept."""
@@ -190,6 +202,8 @@ class _Sequence:
                 del self.generated[cut:]
                 kept = kept[: cut - before]
                 self.finish_reason = "stop"
+        if self.suffix is not None:
+            self.suffix.extend(kept)
         return kept
 
     def _stop_string_cut(self, checked: int) -> int | None:
@@ -226,9 +240,9 @@ class SpeculativeDecoder:
 
     Args:
         engine: anything implementing :class:`clover.engine_contract.Engine`.
-        method: ``vanilla``, ``medusa``, ``clover`` or ``clover2``; the speculative methods need
-            an engine whose drafter is of that family.
-        tree: tree settings (default: dynamic tree, budget 4).
+        method: ``vanilla``, ``medusa``, ``clover``, ``clover2`` or ``suffix``; the head methods need
+            an engine whose drafter is of that family; ``suffix`` drafts with the suffix proposer alone.
+        tree: tree settings (default: dynamic tree, budget 4, suffix candidates merged into the heads').
         tokenizer: a transformers tokenizer, for EOS, stop strings and text.
         max_batch_size: live sequences at most; later requests wait.
         prefill_chunk_tokens: padded prompt tokens per prefill call at most
@@ -246,14 +260,22 @@ class SpeculativeDecoder:
         spec = engine.spec
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        if method != "vanilla":
+        if uses_heads(method):
             if not spec.num_draft_heads:
                 raise ConfigError(f"method {method!r} needs draft heads; pass a drafter or use --method vanilla")
             if spec.default_method != method:
                 raise ConfigError(f"method {method!r} does not match the engine's {spec.drafter_method!r} drafter")
         self.engine, self.method = engine, method
         self.tree = tree or TreeConfig()
-        if self.tree.static_choices is not None and method != "vanilla":
+        if method == "suffix" and not self.tree.suffix_candidates:
+            raise ConfigError("method 'suffix' drafts with the suffix proposer: it needs a dynamic tree and "
+                              f"proposer 'suffix' (got proposer={self.tree.proposer!r}"
+                              f"{', a static tree' if self.tree.static_choices is not None else ''})")
+        # model-free candidates, calibrated against the heads' per depth (docs/trees.md#model-free-candidates)
+        self.suffix_on = method != "vanilla" and self.tree.suffix_candidates and self.tree.budget > 0
+        self.calibration = (SourceCalibration(max(self.tree.proposer_depth, spec.num_draft_heads))
+                            if self.suffix_on else None)
+        if self.tree.static_choices is not None and uses_heads(method):
             deepest_rank = max(max(p) for p in self.tree.static_choices)
             if deepest_rank >= spec.draft_top_k:
                 raise ConfigError(f"static tree needs rank {deepest_rank}, the engine's draft top-k is {spec.draft_top_k}")
@@ -270,6 +292,7 @@ class SpeculativeDecoder:
         self.adaptive = self._adaptive_budget(cost_model or getattr(engine, "cost_model", None), step_timing)
         max_tree = len(self.tree.static_choices) if self.tree.static_choices is not None else self.tree.budget
         self._max_step_tokens = 1 + (max_tree if method != "vanilla" else 0)
+        self._heads = uses_heads(method)
 
     def _new_draft_cache(self) -> KVCache | None:
         """The drafter's own KV cache (``clover2``), shaped like the target's; None for the other methods."""
@@ -293,6 +316,8 @@ class SpeculativeDecoder:
                 raise ConfigError("adaptive trees need a cost model: build the engine with calibration (the "
                                   "default of export/build_engine.py), or pass cost_model (clover.adaptive.calibrate)")
             return None
+        if not uses_heads(self.method):  # suffix alone: no heads' budget; the cost model decides which candidates pay
+            return AdaptiveBudget(cost_model, 0, 1, 0, step_timing=step_timing)
         depth = min(self.tree.depth or spec.num_draft_heads, spec.num_draft_heads)
         return AdaptiveBudget(cost_model, depth, min(self.tree.top_k, spec.draft_top_k), self.tree.budget,
                               step_timing=step_timing)
@@ -412,6 +437,10 @@ class SpeculativeDecoder:
             token = sample_token(result.logits[i, last[i]], seq.request.sampling, seq.generator)
             seq.root_token = token
             seq.root_hidden = result.h0[i, last[i]].clone()
+            if self.suffix_on:
+                from clover.suffix import SuffixIndex  # TODO(coordinator): module-level once clover/suffix.py lands
+
+                seq.suffix = SuffixIndex(seq.request.prompt_ids)
             events.append(self._event(seq, seq.emit([token])))
         self._draft_after_prefill(seqs, rows, result.h0, input_ids, lengths)
         self._remove([new_rows.start + i for i, s in enumerate(seqs) if s.finish_reason])
@@ -431,23 +460,19 @@ class SpeculativeDecoder:
         if not seqs:
             return events
 
-        roots = [s.root_token for s in seqs]
         started = time.perf_counter()
         tree = self.tree
-        if self.adaptive is not None:  # this step's budget, from the live batch size (0: vanilla step)
+        if self.adaptive is not None:  # this step's heads' budget, from the live batch size (0: no draft steps)
             tree = dataclasses.replace(tree, budget=self.adaptive.choose(len(seqs)))
-        if self.method == "vanilla" or (tree.budget == 0 and tree.static_choices is None):
-            batch = root_batch(roots)
-        else:  # every sequence's tree at once, as buffers (docs/trees.md#host-work-per-step)
-            batch = draft_tree_batch(self.engine.draft_step, torch.stack([s.root_hidden for s in seqs]), roots,
-                                     tree, self.engine.spec.num_draft_heads)
+        batch = self._build_trees(seqs, tree)
         past = self.cache.lengths_array.copy()  # int32 [n]; NumPy: docs/trees.md#host-work-per-step
         k_cache, v_cache = self.cache.views()
         result = self.engine.target(batch.input_ids, torch.from_numpy(past[:, None] + as_numpy(batch.position_offsets)),
                                     torch.from_numpy(past), batch.packed_mask, k_cache, v_cache)
         accepted = self._accept(seqs, result.logits, batch)
+        heads_accepted = self._observe_sources(batch, accepted)
         if self.adaptive is not None:
-            self.adaptive.observe(tree.budget, [len(a.path) - 1 for a in accepted])
+            self.adaptive.observe(tree.budget, heads_accepted)
 
         width = max(len(a.path) for a in accepted)
         source = cpu_tensor([a.path + [0] * (width - len(a.path)) for a in accepted])
@@ -455,7 +480,7 @@ class SpeculativeDecoder:
                           cpu_tensor([len(a.path) for a in accepted]))
         # the next roots' states: h0 at each deepest accepted node, one gather for the batch [n, H]
         # (clover2 takes them from its draft_prefill below instead)
-        root_from_h0 = self.method != "vanilla" and self.draft_cache is None
+        root_from_h0 = self._heads and self.draft_cache is None
         if root_from_h0:
             root_hidden = take_rows(result.h0.flatten(0, 1), [i * result.h0.shape[1] + a.path[-1]
                                                               for i, a in enumerate(accepted)])
@@ -470,9 +495,45 @@ class SpeculativeDecoder:
         self._draft_after_step(seqs, result.h0, accepted)
         if self.adaptive is not None and self.adaptive.step_timing:  # what this budget really costs here
             self.adaptive.observe_time(len(seqs), tree.budget, time.perf_counter() - started,
-                                       sum(len(a.path) for a in accepted) / len(accepted))
+                                       sum(len(a.path) for a in accepted) / len(accepted),
+                                       tree_tokens=sum(sizes) / len(sizes))
         self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
         return events
+
+    def _build_trees(self, seqs: list[_Sequence], tree: TreeConfig) -> TreeBatch:
+        """Every sequence's tree at once, as buffers (docs/trees.md#host-work-per-step): the heads' draft at
+        ``tree.budget`` (0: none) with the suffix candidates merged in; root-only trees when neither proposes."""
+        roots = [s.root_token for s in seqs]
+        heads = self._heads and (tree.budget > 0 or tree.static_choices is not None)
+        merge = self._suffix_merge(seqs, tree) if self.suffix_on else None
+        if not heads and merge is None:
+            return root_batch(roots)
+        root_hidden = torch.stack([s.root_hidden for s in seqs]) if heads else None
+        return draft_tree_batch(self.engine.draft_step if heads else None, root_hidden, roots, tree,
+                                self.engine.spec.num_draft_heads if heads else 0, merge)
+
+    def _suffix_merge(self, seqs: list[_Sequence], tree: TreeConfig) -> TreeMerge | None:
+        """This step's suffix candidates (None when no sequence has any), sharing the largest tree budget with the
+        heads' ``tree.budget``; with a cost model, only candidates whose calibrated acceptance pays for them."""
+        proposals = [seq.suffix.propose(tree.proposer_depth, self.tree.budget) for seq in seqs]
+        if not any(len(p.tokens) for p in proposals):
+            return None
+        min_prob = self.adaptive.node_threshold(len(seqs), tree.budget) if self.adaptive is not None else 0.0
+        return TreeMerge(proposals, self.tree.budget, self.calibration.factors(), min_prob)
+
+    def _observe_sources(self, batch: TreeBatch, accepted: list[Accepted]) -> list[int]:
+        """Fold a step's acceptance into each source's calibration; returns each sequence's accepted draft tokens
+        that the heads proposed (the leading run of heads' nodes on its path), what the heads' chooser learns."""
+        if batch.sources is None:
+            return [len(a.path) - 1 for a in accepted]
+        sources = batch.sources
+        on_path = np.zeros(sources.bits.shape, dtype=bool)
+        for i, acc in enumerate(accepted):
+            on_path[i, acc.path[1:]] = True
+        self.calibration.observe(as_numpy(batch.position_offsets), sources.bits, sources.raw, sources.keys, on_path)
+        by_heads = (sources.bits & SOURCE_HEADS).astype(bool)
+        return [next((j for j, node in enumerate(acc.path[1:]) if not by_heads[i, node]), len(acc.path) - 1)
+                for i, acc in enumerate(accepted)]
 
     @staticmethod
     def _accept(seqs: list[_Sequence], logits: torch.Tensor, batch: TreeBatch) -> list[Accepted]:

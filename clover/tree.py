@@ -12,7 +12,7 @@ import functools
 import itertools
 import math
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -159,11 +159,13 @@ class _Chosen:
     path: np.ndarray
 
 
-def draft_tree_batch(draft_step: DraftFn, root_hidden: torch.Tensor, root_tokens, tree: TreeConfig,
-                     num_heads: int) -> "TreeBatch":
+def draft_tree_batch(draft_step: DraftFn | None, root_hidden: torch.Tensor | None, root_tokens, tree: TreeConfig,
+                     num_heads: int, merge: "TreeMerge | None" = None) -> "TreeBatch":
     """:func:`build_trees` as the batch's buffers (:class:`TreeBatch`), without per-sequence Python objects.
 
-    ``root_tokens``: B ints (a list or an int64 tensor).
+    ``root_tokens``: B ints (a list or an int64 tensor). ``merge``: model-free candidates to merge into the
+    heads' trees (:class:`TreeMerge`); with ``num_heads`` 0 (or budget 0) the trees are theirs alone and
+    ``draft_step`` / ``root_hidden`` may be None.
     """
     static = None
     if tree.static_choices is not None:
@@ -171,8 +173,9 @@ def draft_tree_batch(draft_step: DraftFn, root_hidden: torch.Tensor, root_tokens
     roots = np.asarray(root_tokens.tolist() if isinstance(root_tokens, torch.Tensor) else root_tokens,
                        dtype=np.int64).reshape(-1)
     depth_limit = _depth_limit(tree, num_heads, static)
-    if static is None:  # each level adds at most `budget` children per sequence
-        pools = _Pools.start(roots, 1 + depth_limit * tree.budget, np.float32)
+    if static is None:  # each level adds at most `budget` children per sequence, the merge its candidates
+        extra = merge.max_candidates() if merge is not None else 0
+        pools = _Pools.start(roots, 1 + depth_limit * tree.budget + extra, np.float32)
     else:  # one slot per path
         pools = _Pools.start(roots, len(static.child_rank_table), np.float64)
     batch = len(roots)
@@ -193,6 +196,8 @@ def draft_tree_batch(draft_step: DraftFn, root_hidden: torch.Tensor, root_tokens
             break
         hidden = take_rows(result.next_hidden, chosen.row)
         tokens = torch.from_numpy(pools.token[frontier.seq, frontier.slot])
+    if merge is not None and static is None:
+        return _merge_candidates(pools, merge)
     return _pools_to_batch(pools, None if static is not None else tree.budget)
 
 
@@ -306,9 +311,9 @@ def _add_children(pools: _Pools, frontier: _Frontier, chosen: _Chosen, tokens: n
     return _Frontier(chosen.seq, slot, chosen.score, chosen.path)
 
 
-def _pools_to_batch(pools: _Pools, budget: int | None) -> "TreeBatch":
+def _pools_to_batch(pools: _Pools, budget: int | None, sources: "_SourceSlots | None" = None) -> "TreeBatch":
     """The trees of the pools: all of each (static), or its ``budget`` best candidates (dynamic); nodes in level
-    order, siblings by score."""
+    order, siblings by score. ``sources``: which source proposed each slot, carried to the nodes."""
     used = pools.used.copy()
     seq = np.arange(len(used))[:, None]
     neg_score = -pools.score + np.float32(0.0)  # + 0: -0.0 ties with 0.0, as in Python
@@ -327,7 +332,11 @@ def _pools_to_batch(pools: _Pools, budget: int | None) -> "TreeBatch":
     parents[:, 0] = -1
     tokens = np.where(real, pools.token[seq, nodes], 0)
     depths = np.where(real, pools.depth[seq, nodes], 0)
-    return _tree_batch(tokens, parents, depths, sizes)
+    batch = _tree_batch(tokens, parents, depths, sizes)
+    if sources is not None:
+        batch.sources = CandidateSources(np.where(real, sources.bits[seq, nodes], 0),
+                                         np.where(real[..., None], sources.raw[seq, nodes], 0.0), sources.keys)
+    return batch
 
 
 @dataclasses.dataclass
@@ -347,6 +356,7 @@ class TreeBatch:
     parents: torch.Tensor
     valid: torch.Tensor
     sizes: torch.Tensor | None = None  # None: counted from ``valid``
+    sources: "CandidateSources | None" = None  # set when model-free candidates were merged in
 
     def tree_sizes(self) -> torch.Tensor:
         """int64 ``[B]``: nodes per tree."""
@@ -408,3 +418,104 @@ def batch_trees(trees: list[TokenTree]) -> TreeBatch:
         return out
 
     return _tree_batch(padded("tokens", 0), padded("parents", -1), padded("depths", 0), sizes)
+
+
+# -- model-free candidates merged into the heads' trees (docs/trees.md#model-free-candidates) --------------------
+
+SOURCE_HEADS, SOURCE_SUFFIX = 1, 2  # bits of CandidateSources.bits
+SUFFIX_MATCH_ROWS = 4  # calibration rows of suffix candidates: matched suffix of 1, 2, 3, >= 4 tokens
+
+
+def suffix_calibration_row(match_length: int) -> int:
+    """The calibration row of suffix candidates (row 0: the heads): longer matched suffixes are more reliable,
+    so their candidates are calibrated apart."""
+    return min(max(match_length, 1), SUFFIX_MATCH_ROWS)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeMerge:
+    """One step's model-free candidates and how to merge them with the heads' (docs/trees.md#model-free-candidates).
+
+    proposals: one per sequence, a :class:`clover.suffix.SuffixProposal` or None (no candidates): nodes in level
+    order with ``tokens``, ``parents`` (-1: the root's child), ``depths``, ``counts`` and ``total``.
+    budget: draft nodes per tree at most, both sources together.
+    factors: float ``[1 + SUFFIX_MATCH_ROWS, D + 1]``, measured ÷ predicted acceptance per calibration row and
+    depth (:class:`clover.adaptive.SourceCalibration`); a node's calibrated probability is its source's raw
+    probability (the heads' joint path probability, the suffix's count ÷ total) times its factor.
+    min_prob: the least calibrated probability a node needs to enter (where it pays for its verification).
+    """
+
+    proposals: Sequence[Any]
+    budget: int
+    factors: np.ndarray
+    min_prob: float = 0.0
+
+    def max_candidates(self) -> int:
+        return max((len(p.tokens) for p in self.proposals if p is not None), default=0)
+
+
+@dataclasses.dataclass
+class CandidateSources:
+    """Where a merged tree's nodes come from: bits uint8 ``[B, T]`` (SOURCE_HEADS | SOURCE_SUFFIX, 0 for the root
+    and padding); raw float64 ``[B, T, 2]``: each source's raw probability of the node (0: not proposed by it);
+    keys int64 ``[B]``: each sequence's suffix calibration row."""
+
+    bits: np.ndarray
+    raw: np.ndarray
+    keys: np.ndarray
+
+
+@dataclasses.dataclass
+class _SourceSlots:
+    """:class:`CandidateSources` per pool slot (``[B, P]``, ``[B, P, 2]``, ``[B]``)."""
+
+    bits: np.ndarray
+    raw: np.ndarray
+    keys: np.ndarray
+
+
+def _merge_candidates(pools: _Pools, merge: TreeMerge) -> "TreeBatch":
+    """Add each sequence's proposal to its pool (a candidate the heads also drafted is one node), score every
+    slot by its calibrated acceptance probability, and keep each tree's ``merge.budget`` best over ``min_prob``."""
+    heads_raw = np.where(pools.used, np.exp(pools.score.astype(np.float64)), 0.0)  # [B, P]
+    suffix_raw = np.zeros_like(heads_raw)
+    keys = np.zeros(len(pools.size), np.int64)
+    for b, proposal in enumerate(merge.proposals):
+        if proposal is not None and len(proposal.tokens):
+            _add_proposal(pools, b, proposal, suffix_raw[b])
+            keys[b] = suffix_calibration_row(proposal.match_length)
+    depth = pools.depth.clip(0, merge.factors.shape[1] - 1)
+    value = np.maximum(heads_raw * merge.factors[0][depth], suffix_raw * merge.factors[keys[:, None], depth])
+    value = np.minimum(value, 1.0)
+    value[:, 0] = 1.0  # the root
+    for level in range(1, int(pools.depth.max()) + 1):  # a child is never worth more than its parent, so the
+        b, slot = np.nonzero((pools.depth == level) & pools.used)  # best nodes always include their ancestors
+        value[b, slot] = np.minimum(value[b, slot], value[b, pools.parent[b, slot]])
+    pools.used &= value >= merge.min_prob
+    with np.errstate(divide="ignore"):
+        pools.score = np.log(value).astype(np.float32)
+    bits = (heads_raw > 0) * SOURCE_HEADS | (suffix_raw > 0) * SOURCE_SUFFIX
+    return _pools_to_batch(pools, merge.budget, _SourceSlots(bits.astype(np.uint8), np.stack([heads_raw, suffix_raw], -1),
+                                                             keys))
+
+
+def _add_proposal(pools: _Pools, b: int, proposal, suffix_raw: np.ndarray) -> None:
+    """Append sequence b's proposed nodes to its pool, merging each into the heads' node of the same parent and
+    token; ``suffix_raw [P]`` gets each node's count ÷ total. A handful of nodes: a Python loop is cheapest."""
+    size = int(pools.size[b])
+    parent_row, token_row = pools.parent[b].tolist(), pools.token[b].tolist()
+    child_slot = {(parent_row[s], token_row[s]): s for s in range(1, size)}
+    slots: list[int] = []
+    total = float(proposal.total)
+    for token, parent, depth, count in zip(proposal.tokens.tolist(), proposal.parents.tolist(),
+                                           proposal.depths.tolist(), proposal.counts.tolist()):
+        key = (0 if parent < 0 else slots[parent], token)
+        slot = child_slot.get(key)
+        if slot is None:
+            slot, size = size, size + 1
+            child_slot[key] = slot
+            pools.parent[b, slot], pools.token[b, slot], pools.depth[b, slot] = key[0], token, depth
+            pools.used[b, slot] = True
+        slots.append(slot)
+        suffix_raw[slot] = count / total
+    pools.size[b] = size
