@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 
-from clover.config import ConfigError, SamplingConfig, TreeConfig
+from clover.config import PROPOSERS, ConfigError, SamplingConfig, TreeConfig
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -44,10 +45,15 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--cache-dir", help="where the demo checkpoint is converted to (default: $CLOVER_CACHE_DIR or ~/.cache/clover)")
     p.add_argument("--engine", type=Path, help="built engine directory (export/build_engine.py); replaces "
                    "--target/--drafter: tokenizer, heads and limits come from its engine.json")
-    p.add_argument("--method", choices=["vanilla", "medusa", "clover", "clover2"], default=None,
+    p.add_argument("--method", choices=["vanilla", "medusa", "clover", "clover2", "suffix"], default=None,
                    help="decoding method (default: the family of the heads in use, clover for the torch path; "
                         "vanilla for an engine without heads); clover2: Clover-2 heads (none are shipped yet: "
-                        "untrained ones unless --drafter names trained ones)")
+                        "untrained ones unless --drafter names trained ones); suffix: no heads, only candidates "
+                        "copied from the prompt and the answer so far (any engine, also one without heads)")
+    p.add_argument("--proposer", choices=list(PROPOSERS), default=None,
+                   help="model-free candidates merged into the heads' tree: suffix (continuations of the longest "
+                        "repeated suffix of the prompt and answer), none (the heads alone); default: the engine's "
+                        "tree defaults, suffix unless its engine.json says otherwise (docs/trees.md#model-free-candidates)")
     p.add_argument("--drafter", help="trained draft-head directory (config.json + model.safetensors), "
                    "'demo-clover' / 'demo-medusa' (the heads shipped for the demo target, the default there), or "
                    "'untrained' (heads initialised from the target: lossless, little speed-up)")
@@ -153,11 +159,13 @@ def cmd_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    tree = TreeConfig(budget=args.tree_budget, depth=args.tree_depth, adaptive=args.adaptive)
+    tree = TreeConfig(budget=args.tree_budget, depth=args.tree_depth, adaptive=args.adaptive, proposer=args.proposer)
     rows = [{"id": 0, "prompt": args.prompt}] if args.prompt is not None else read_prompts_file(args.prompts_file)
     for row in rows:  # the text, before loading the model: the chat template would hide an empty prompt
         refuse_empty_prompt(row["prompt"])
     engine, tokenizer = _load_generate_engine(args, tree)
+    if args.proposer is None and getattr(engine, "meta", None) is not None:  # the engine's own default
+        tree = dataclasses.replace(tree, proposer=engine.meta.tree_defaults.proposer)
     decoder = SpeculativeDecoder(engine, args.method, tree, tokenizer, max_batch_size=args.batch_size)
     requests = [GenerationRequest(encode_prompt(tokenizer, r["prompt"], not args.no_chat_template),
                                   max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -215,8 +223,12 @@ def add_serve_parser(subparsers) -> None:
                    "(default: $CLOVER_ENGINE_DIR, else engines/demo in this checkout)")
     p.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "torch"], default="auto",
                    help="engine backend; auto takes the one engine.json names")
-    p.add_argument("--method", choices=["auto", "clover", "clover2", "medusa", "vanilla"], default="auto",
-                   help="decoding method; auto: the engine's heads if it has some, else vanilla")
+    p.add_argument("--method", choices=["auto", "clover", "clover2", "medusa", "vanilla", "suffix"], default="auto",
+                   help="decoding method; auto: the engine's heads if it has some, else vanilla; suffix: candidates "
+                        "copied from the prompt and answer only (also on an engine without heads)")
+    p.add_argument("--proposer", choices=["auto", *PROPOSERS], default="auto",
+                   help="model-free candidates merged into the heads' tree; auto: the engine's tree defaults "
+                        "(suffix unless its engine.json says otherwise); none: the heads alone")
     p.add_argument("--max-batch", type=int, default=0, help="sequences decoded together at most (0: the engine's limit)")
     p.add_argument("--tree-budget", type=int, default=None, help="draft tree nodes per step (default: the engine's)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
@@ -255,7 +267,7 @@ def cmd_serve(args) -> int:
 
         args.engine = ensure_demo_engine(args.engine)
     return serve(args.engine, backend=args.backend, method=args.method, max_batch=args.max_batch,
-                 tree_budget=args.tree_budget, adaptive=args.adaptive, threads=args.threads, host=args.host, http_port=args.http_port,
+                 tree_budget=args.tree_budget, adaptive=args.adaptive, proposer=args.proposer, threads=args.threads, host=args.host, http_port=args.http_port,
                  grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_repository=args.model_repository,
                  startup_timeout_s=args.startup_timeout, log_file=args.log_file, openai_port=args.openai_port,
                  drain_s=args.drain_timeout)

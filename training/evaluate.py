@@ -44,6 +44,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clover.config import TreeConfig  # noqa: E402
+
+VARIANTS = ("heads", "heads+suffix", "suffix")  # MT-bench drafting variants (decode_rows)
 from training.data import CATEGORIES, CATEGORY_TITLES  # noqa: E402
 from training.hidden_cache import HiddenCache  # noqa: E402
 from training.train import collate, head_weights, pick_device, run_batch  # noqa: E402
@@ -152,8 +154,11 @@ def decode_engine(target_dir, drafter_dir: Path, backend: str, work_dir: Path, *
 
 
 def decode_rows(engine, tokenizer, records: list[dict], *, tree_budget: int = 4, max_new_tokens: int = 128,
-                batch_size: int = 8, progress: bool = True) -> list[dict]:
+                batch_size: int = 8, progress: bool = True, variant: str = "heads") -> list[dict]:
     """Greedy speculative decoding of ``records`` on ``engine`` with a fixed tree of ``tree_budget`` nodes.
+
+    ``variant`` (:data:`VARIANTS`): ``heads`` the heads alone (proposer ``none``), ``heads+suffix`` both sources
+    in one tree, ``suffix`` the suffix proposer alone (method ``suffix``; docs/trees.md#model-free-candidates).
 
     One row per decoded record: id, category, decode steps, accepted draft
     tokens, new tokens and ``accept_hist`` (steps that accepted 0, 1, 2... tokens).
@@ -163,9 +168,9 @@ def decode_rows(engine, tokenizer, records: list[dict], *, tree_budget: int = 4,
 
     from clover.decode import GenerationRequest, SpeculativeDecoder
 
-    method = engine.spec.default_method
-    decoder = SpeculativeDecoder(engine, method, tree=TreeConfig(budget=tree_budget, adaptive=False), tokenizer=tokenizer,
-                                 max_batch_size=batch_size)
+    method = "suffix" if variant == "suffix" else engine.spec.default_method
+    tree = TreeConfig(budget=tree_budget, adaptive=False, proposer="none" if variant == "heads" else "suffix")
+    decoder = SpeculativeDecoder(engine, method, tree=tree, tokenizer=tokenizer, max_batch_size=batch_size)
     requests, kept = [], []
     for record in records:
         ids = prompt_ids_of(record, tokenizer)
@@ -173,7 +178,7 @@ def decode_rows(engine, tokenizer, records: list[dict], *, tree_budget: int = 4,
             continue
         requests.append(GenerationRequest(ids, max_new_tokens=max_new_tokens, request_id=str(record["id"])))
         kept.append(record)
-    bar = tqdm(total=len(requests), unit="prompt", disable=not progress, desc=f"decode {method} b{tree_budget}")
+    bar = tqdm(total=len(requests), unit="prompt", disable=not progress, desc=f"decode {variant} b{tree_budget}")
     results = decoder.generate(requests, on_event=lambda e: bar.update(1) if e.finished else None)
     bar.close()
     rows = []
@@ -235,19 +240,20 @@ def mtbench_records(path: str | Path | None = None, limit: int | None = None) ->
 
 
 def mtbench_eval(engine, tokenizer, records: list[dict], budgets: list[int], rows_dir: Path, name: str, *,
-                 max_new_tokens: int = 256, batch_size: int = 8, chunk: int = 16, progress: bool = True) -> dict:
+                 max_new_tokens: int = 256, batch_size: int = 8, chunk: int = 16, progress: bool = True,
+                 variant: str = "heads") -> dict:
     """Decode every MT-bench record at every budget, ``chunk`` prompts at a time, appending the rows to
-    ``rows_dir/{name}-b{budget}.jsonl``: a rerun skips what is there (resumable). Returns per budget
-    the pooled stats (:func:`pool_rows`)."""
+    ``rows_dir/{name}-b{budget}.jsonl`` (``{name}-{variant}-b{budget}.jsonl`` for the variants with suffix
+    candidates): a rerun skips what is there (resumable). Returns per budget the pooled stats (:func:`pool_rows`)."""
     rows_dir.mkdir(parents=True, exist_ok=True)
     out = {}
     for budget in budgets:
-        path = rows_dir / f"{name}-b{budget}.jsonl"
+        path = rows_dir / (f"{name}-b{budget}.jsonl" if variant == "heads" else f"{name}-{variant}-b{budget}.jsonl")
         done = _read_rows(path)
         todo = [r for r in records if r["id"] not in {row["id"] for row in done}]
         for start in range(0, len(todo), chunk):
             rows = decode_rows(engine, tokenizer, todo[start: start + chunk], tree_budget=budget,
-                               max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress)
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress, variant=variant)
             with open(path, "a") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
             done += rows
@@ -475,6 +481,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mtbench-limit", type=int, default=None, help="first N questions, round-robin over categories")
     parser.add_argument("--budgets", default="4,8,16,32", help="MT-bench tree budgets (fixed trees)")
     parser.add_argument("--mtbench-max-new-tokens", type=int, default=256)
+    parser.add_argument("--variants", default="heads",
+                        help="MT-bench drafting variants, comma-separated: heads (the heads alone), heads+suffix (heads "
+                             "and suffix-index candidates in one tree), suffix (the suffix proposer alone); each is a "
+                             "run NAME, NAME+suffix, NAME:suffix-only in the report")
     parser.add_argument("--chunk", type=int, default=16, help="MT-bench prompts decoded between saves (resume unit)")
     parser.add_argument("--backend", choices=("onnxruntime", "torch"), default="onnxruntime",
                         help="decoding engine (onnxruntime builds one per heads under OUTPUT/engines)")
@@ -485,8 +495,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def evaluate_heads(directory: Path, name: str, args: argparse.Namespace, target_dir: Path, target, tokenizer,
-                   cache, records: list[dict], mtbench: list[dict]) -> dict:
-    """Every requested measurement for one set of heads (raises ConfigError for heads of another target)."""
+                   cache, records: list[dict], mtbench: list[dict]) -> dict[str, dict]:
+    """Every requested measurement for one set of heads, as report runs by name (the MT-bench variants other
+    than ``heads`` are runs of their own); raises ConfigError for heads of another target."""
     from clover.drafters import load_drafter
 
     drafter = load_drafter(directory, target)
@@ -502,12 +513,20 @@ def evaluate_heads(directory: Path, name: str, args: argparse.Namespace, target_
     if records:
         run["decode"] = decode_eval(engine, tokenizer, records, tree_budget=args.tree_budget,
                                     max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-    if mtbench:
-        run["mtbench"] = mtbench_eval(engine, tokenizer, mtbench, [int(b) for b in args.budgets.split(",")],
-                                      Path(args.output) / "mtbench_rows", name,
-                                      max_new_tokens=args.mtbench_max_new_tokens, batch_size=args.batch_size,
-                                      chunk=args.chunk)
-    return run
+    runs = {name: run}
+    for variant in args.variants.split(",") if mtbench else ():
+        label = variant_label(name, variant)
+        runs.setdefault(label, {"heads": str(directory), "method": drafter.config.method, "variant": variant})
+        runs[label]["mtbench"] = mtbench_eval(engine, tokenizer, mtbench, [int(b) for b in args.budgets.split(",")],
+                                              Path(args.output) / "mtbench_rows", name,
+                                              max_new_tokens=args.mtbench_max_new_tokens,
+                                              batch_size=args.batch_size, chunk=args.chunk, variant=variant)
+    return runs
+
+
+def variant_label(name: str, variant: str) -> str:
+    """The report's run name of heads ``name`` decoded as ``variant``."""
+    return {"heads": name, "heads+suffix": f"{name}+suffix", "suffix": f"{name}:suffix-only"}[variant]
 
 
 def write_report(report: dict, out: Path) -> None:
@@ -533,6 +552,10 @@ def main(argv: list[str] | None = None) -> int:
     from clover.target import load_target, load_tokenizer
     from training.distill import read_jsonl
 
+    variants = args.variants.split(",")
+    if not set(variants) <= set(VARIANTS):
+        print(f"error: --variants takes {', '.join(VARIANTS)}; got {args.variants!r}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     target_dir = resolve_target(args.target)
@@ -552,12 +575,13 @@ def main(argv: list[str] | None = None) -> int:
                            "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
                            "tree_budget": args.tree_budget, "greedy": True, "backend": args.backend,
                            "mtbench": args.mtbench, "mtbench_questions": len(mtbench),
-                           "budgets": args.budgets, "mtbench_max_new_tokens": args.mtbench_max_new_tokens},
+                           "budgets": args.budgets, "mtbench_max_new_tokens": args.mtbench_max_new_tokens,
+                           "variants": args.variants},
               "runs": {}}
     for name, directory in parse_heads(args.heads).items():
         try:
-            report["runs"][name] = evaluate_heads(directory, name, args, target_dir, target, tokenizer, cache,
-                                                  records, mtbench)
+            report["runs"].update(evaluate_heads(directory, name, args, target_dir, target, tokenizer, cache,
+                                                 records, mtbench))
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -129,7 +129,7 @@ class TorchEngine:
 
         ``drafter`` as :func:`clover.demo.resolve_drafter` reads it: None on the demo target means its shipped
         heads of ``method``'s family; no heads found means untrained ones (lossless, little speed-up).
-        ``method="vanilla"`` loads no heads. The checkpoint directory is kept as ``checkpoint_dir``
+        ``method="vanilla"`` or ``"suffix"`` (the model-free proposer alone) loads no heads. The checkpoint directory is kept as ``checkpoint_dir``
         (its tokenizer: :func:`clover.target.load_tokenizer`).
         """
         from clover.demo import resolve_drafter, resolve_target
@@ -139,7 +139,7 @@ class TorchEngine:
         path = resolve_target(None if target is None else str(target), cache_dir)
         model = load_target(path)
         heads = None
-        if method != "vanilla":
+        if method not in ("vanilla", "suffix"):
             drafter_dir = resolve_drafter(drafter, None if target is None else str(target), method)
             if drafter_dir is not None:
                 heads = load_drafter(drafter_dir, model)

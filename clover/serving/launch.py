@@ -70,7 +70,8 @@ class _SigtermAsInterrupt:
 
 
 def serve(engine: str | Path | None = None, *, backend: str = "auto", method: str = "auto", max_batch: int = 0,
-          tree_budget: int | None = None, adaptive: bool | None = None, threads: int = 0, host: str = "127.0.0.1",
+          tree_budget: int | None = None, adaptive: bool | None = None, proposer: str = "auto", threads: int = 0,
+          host: str = "127.0.0.1",
           http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
           model_repository: str | Path | None = None, startup_timeout_s: float = 600.0,
           log_file: str | Path | None = None, out: TextIO = sys.stdout, openai_port: int | None = None,
@@ -89,7 +90,7 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
         else:
             engine_dir = resolve_serve_engine(engine, backend)
             params = {"engine_dir": str(engine_dir), "backend": backend, "method": method,
-                      "max_batch": str(max_batch), "threads": str(threads)}
+                      "max_batch": str(max_batch), "threads": str(threads), "proposer": proposer}
             if tree_budget is not None:
                 params["tree_budget"] = str(tree_budget)
             if adaptive is not None:  # None: the model's default (adaptive where the engine has a cost model)

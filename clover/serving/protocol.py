@@ -74,7 +74,10 @@ PARAMETERS = {
     "backend": ("auto", "auto (the backend engine.json names), onnxruntime, tensorrt, or torch (engine_dir is then "
                         "a Hugging Face checkpoint directory or 'demo')"),
     "method": ("auto", "auto (the family of the engine's draft heads: clover, clover2 or medusa; vanilla "
-                       "without heads), clover, clover2, medusa or vanilla"),
+                       "without heads), clover, clover2, medusa, vanilla, or suffix (model-free candidates from "
+                       "the prompt and answer only, also on an engine without heads)"),
+    "proposer": ("auto", "model-free candidates merged into the heads' tree: auto (the engine's tree defaults: "
+                         "suffix unless its engine.json says otherwise), suffix, or none (the heads alone)"),
     "max_batch": ("0", "sequences decoded together at most; 0: the engine's max_batch"),
     "tree_budget": ("", "draft tree nodes per step (default: the engine's tree defaults); with adaptive, the "
                         "largest budget a step may use"),

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from clover.config import ConfigError, TreeConfig
+from clover.config import PROPOSERS, ConfigError, TreeConfig
 from clover.decode import METHODS as DECODE_METHODS
 from clover.demo import default_engine_dir
 
@@ -42,17 +42,20 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 
 def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: str = "auto",
                         max_batch: int = 0, tree_budget: int | None = None, threads: int = 0,
-                        adaptive: bool | None = None) -> LoadedEngine:
+                        adaptive: bool | None = None, proposer: str = "auto") -> LoadedEngine:
     """Engine, tokenizer and decode settings for serving. Raises ConfigError naming the problem.
 
     ``engine_dir`` is a built engine directory, or with ``backend="torch"`` a checkpoint directory (or
     ``demo``). ``adaptive`` as :class:`~clover.config.TreeConfig` reads it: None picks each step's budget (up to
     ``tree_budget``) from the engine's cost model where it has one; True requires one, so an engine without
-    one is refused here rather than at the first request; False keeps a fixed budget."""
+    one is refused here rather than at the first request; False keeps a fixed budget. ``proposer``: ``auto`` (the
+    engine's tree defaults), ``suffix`` or ``none`` (docs/trees.md#model-free-candidates)."""
     if method not in METHODS:
         raise ConfigError(f"model parameter method={method!r}: choose {', '.join(METHODS)}")
     if backend not in BACKENDS:
         raise ConfigError(f"model parameter backend={backend!r}: choose {', '.join(BACKENDS)}")
+    if proposer not in ("auto", *PROPOSERS):
+        raise ConfigError(f"model parameter proposer={proposer!r}: choose auto, {', '.join(PROPOSERS)}")
     if backend == "torch":
         loaded = _load_torch(Path(engine_dir), method)
     else:
@@ -65,6 +68,10 @@ def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: s
     if adaptive:
         _check_adaptive(loaded.engine, method, engine_dir)
     tree = dataclasses.replace(tree, adaptive=adaptive)
+    if proposer != "auto":
+        tree = dataclasses.replace(tree, proposer=proposer)
+    if method == "suffix" and not tree.suffix_candidates:
+        raise ConfigError("method=suffix drafts with the suffix proposer: set proposer to auto or suffix")
     max_batch = max_batch or loaded.max_batch
     if max_batch < 1:
         raise ConfigError(f"model parameter max_batch must be >= 1, got {max_batch}")
