@@ -196,6 +196,9 @@ def run_decode(engine, config: Config, prompts: list[list[int]], max_new: int, c
               "tree_depth": deepest / steps if steps else 0.0,
               # where the time goes, per decode step after the first (over the whole decode if it had one step)
               **step_split(first_step[0] if end[1] > first_step[0][1] else start, end)}
+    if decoder.suffix_on:  # the suffix proposals' host time per decode step, and each source's acceptance
+        sample["proposer_ms"] = 1000 * decoder.proposer_seconds / max(steps / len(results), 1)
+        sample["source_counts"] = decoder.source_counts
     if decoder.adaptive is not None:
         budgets = [b for _, b in decoder.adaptive.history]
         sample["budgets"] = {str(b): budgets.count(b) for b in sorted(set(budgets))}
@@ -446,7 +449,11 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
                   extra_engines: dict[str, str] | None = None) -> dict[str, list[Config]]:
     """The configurations of every sweep; ``extra_engines`` maps a label to its decode method.
 
-    The ``clover`` lines run the main engine's own method (``clover``, or ``clover2`` for Clover-2 heads)."""
+    The ``clover`` lines run the main engine's own method (``clover``, or ``clover2`` for Clover-2 heads) with the
+    heads alone (proposer ``none``); ``clover+suffix`` merges the suffix index's candidates into the same fixed
+    tree, ``suffix`` decodes with them alone (docs/trees.md#model-free-candidates); ``default-clover`` is what
+    ``clover generate`` does with no flags (suffix candidates included) and ``default-heads`` the same without
+    them."""
     extra_engines = extra_engines or {}
     heads, engine_method = spec.num_draft_heads, spec.default_method
     configs: dict[str, list[Config]] = {}
@@ -455,37 +462,47 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
         for batch in args.batch_sizes:
             rows.append(Config("batch", batch, "vanilla", "vanilla", batch))
             if has_medusa:
-                rows.append(Config("batch", batch, "medusa", "medusa", batch, TreeConfig(budget=args.budget, adaptive=False), "medusa"))
-            rows.append(Config("batch", batch, "clover", engine_method, batch, TreeConfig(budget=args.budget, adaptive=False)))
+                rows.append(Config("batch", batch, "medusa", "medusa", batch, _fixed(args.budget), "medusa"))
+            rows.append(Config("batch", batch, "clover", engine_method, batch, _fixed(args.budget)))
             for budget in args.fixed_budgets:
                 if budget != args.budget:
-                    rows.append(Config("batch", batch, f"clover-b{budget}", engine_method, batch, TreeConfig(budget=budget, adaptive=False)))
+                    rows.append(Config("batch", batch, f"clover-b{budget}", engine_method, batch, _fixed(budget)))
+            rows.append(Config("batch", batch, "clover+suffix", engine_method, batch, _fixed(args.budget, "suffix")))
+            rows.append(Config("batch", batch, "suffix", "suffix", batch, _fixed(args.budget, "suffix")))
             rows.append(Config("batch", batch, "adaptive-clover", engine_method, batch,
                                TreeConfig(budget=args.adaptive_max_budget, adaptive=True)))
             # what `clover generate` does with no flags: adaptive where the engine stores a cost model
             rows.append(Config("batch", batch, "default-clover", engine_method, batch, TreeConfig(budget=args.budget)))
+            rows.append(Config("batch", batch, "default-heads", engine_method, batch,
+                               TreeConfig(budget=args.budget, proposer="none")))
             for label, method in extra_engines.items():
-                rows.append(Config("batch", batch, label, method, batch, TreeConfig(budget=args.budget, adaptive=False), label))
+                rows.append(Config("batch", batch, label, method, batch, _fixed(args.budget), label))
         configs["batch"] = rows
     if "budget" in args.sweeps:
         rows = []
         for budget in args.budgets:
-            rows.append(Config("budget", budget, "clover", engine_method, args.sweep_batch, TreeConfig(budget=budget, adaptive=False)))
+            rows.append(Config("budget", budget, "clover", engine_method, args.sweep_batch, _fixed(budget)))
+            rows.append(Config("budget", budget, "clover+suffix", engine_method, args.sweep_batch, _fixed(budget, "suffix")))
             if has_medusa:
-                rows.append(Config("budget", budget, "medusa", "medusa", args.sweep_batch, TreeConfig(budget=budget, adaptive=False),
-                                   "medusa"))
+                rows.append(Config("budget", budget, "medusa", "medusa", args.sweep_batch, _fixed(budget), "medusa"))
         configs["budget"] = rows
     if "heads" in args.sweeps:
-        configs["heads"] = [Config("heads", k, "clover", engine_method, args.sweep_batch, TreeConfig(budget=args.budget, depth=k, adaptive=False))
+        configs["heads"] = [Config("heads", k, "clover", engine_method, args.sweep_batch,
+                                   TreeConfig(budget=args.budget, depth=k, adaptive=False, proposer="none"))
                             for k in range(1, heads + 1)]
     if "hf" in args.sweeps:
         configs["hf"] = [Config("hf", 1, "vanilla", "vanilla", 1),
-                         Config("hf", 1, "clover", engine_method, 1, TreeConfig(budget=args.budget, adaptive=False)),
+                         Config("hf", 1, "clover", engine_method, 1, _fixed(args.budget)),
                          Config("hf", 1, "hf-greedy", "hf-greedy", 1),
                          Config("hf", 1, "hf-prompt-lookup", "hf-prompt-lookup", 1)]
     if "triton" in args.sweeps:
         configs["triton"] = [Config("triton", c, label, label, c) for c in args.concurrency for label in triton_models]
     return configs
+
+
+def _fixed(budget: int, proposer: str = "none") -> TreeConfig:
+    """A fixed tree of ``budget`` nodes: the heads alone, or with ``proposer``'s candidates merged in."""
+    return TreeConfig(budget=budget, adaptive=False, proposer=proposer)
 
 
 def hardware() -> dict:

@@ -229,7 +229,9 @@ class TreeConfig(JsonMixin):
     ``suffix`` (continuations of the text's longest repeated suffix, :mod:`clover.suffix`) or ``none`` (the
     heads alone). ``None`` (the default) means ``suffix`` for dynamic trees and ``none`` for static ones.
     Both sources share ``budget``. ``proposer_depth``: the deepest model-free candidate (they are not limited
-    by the head count).
+    by the head count). ``shared_suffix_tokens``: also propose from a second index over the outputs of the
+    decoder's earlier requests (SuffixDecoding's global tree), keeping at most that many tokens, oldest requests
+    evicted first; 0 (the default) turns it off.
     """
 
     budget: int = 4
@@ -240,6 +242,7 @@ class TreeConfig(JsonMixin):
     adaptive: bool | None = None
     proposer: str | None = None
     proposer_depth: int = 8
+    shared_suffix_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.budget < 0:
@@ -250,6 +253,9 @@ class TreeConfig(JsonMixin):
             raise ConfigError("the suffix proposer needs a dynamic tree, not static_choices (use proposer 'none')")
         if self.proposer_depth < 1:
             raise ConfigError(f"proposer_depth must be >= 1, got {self.proposer_depth}")
+        if self.shared_suffix_tokens < 0:
+            raise ConfigError(f"shared_suffix_tokens (the shared suffix index's cap) must be >= 0, "
+                              f"got {self.shared_suffix_tokens}")
         if self.adaptive and self.static_choices is not None:
             raise ConfigError("adaptive speculation needs a dynamic tree, not static_choices")
         if self.top_k < 1:

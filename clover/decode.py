@@ -183,6 +183,12 @@ class _Sequence:
         self.root_hidden: torch.Tensor | None = None
         self.suffix = None  # SuffixIndex  # over the prompt and the emitted tokens, with the suffix proposer
 
+    def suffix_context(self, width: int = 64) -> list[int]:
+        """The last ``width`` tokens of the prompt and the output: what the shared suffix index matches."""
+        tail = self.generated[-width:]
+        prompt = self.request.prompt_ids
+        return prompt[max(0, len(prompt) - (width - len(tail))):] + tail
+
     def emit(self, tokens: list[int]) -> list[int]:
         """Append tokens, cutting at EOS, max tokens or a stop string; returns what was kept."""
         kept = []
@@ -275,6 +281,14 @@ class SpeculativeDecoder:
         self.suffix_on = method != "vanilla" and self.tree.suffix_candidates and self.tree.budget > 0
         self.calibration = (SourceCalibration(max(self.tree.proposer_depth, spec.num_draft_heads))
                             if self.suffix_on else None)
+        self.shared_suffix = None  # over earlier requests' outputs (TreeConfig.shared_suffix_tokens)
+        if self.suffix_on and self.tree.shared_suffix_tokens:
+            from clover.suffix import SharedSuffixIndex
+
+            self.shared_suffix = SharedSuffixIndex(self.tree.shared_suffix_tokens)
+        # draft nodes proposed and accepted per source, over the steps with merged trees (reports, benchmarks)
+        self.source_counts = {"heads": [0, 0], "suffix": [0, 0]}
+        self.proposer_seconds = 0.0  # host time of the suffix proposals, summed over steps
         if self.tree.static_choices is not None and uses_heads(method):
             deepest_rank = max(max(p) for p in self.tree.static_choices)
             if deepest_rank >= spec.draft_top_k:
@@ -398,6 +412,10 @@ class SpeculativeDecoder:
         return events
 
     def _remove(self, rows: list[int]) -> None:
+        if rows and self.shared_suffix is not None:  # finished outputs feed the shared suffix index
+            for row in rows:
+                if self._running[row].finish_reason in ("stop", "length"):
+                    self.shared_suffix.add(self._running[row].generated)
         if rows:
             order = self.cache.remove_rows(rows)
             if self.draft_cache is not None:  # the same compaction: rows stay aligned with the target cache
@@ -515,11 +533,22 @@ class SpeculativeDecoder:
     def _suffix_merge(self, seqs: list[_Sequence], tree: TreeConfig) -> TreeMerge | None:
         """This step's suffix candidates (None when no sequence has any), sharing the largest tree budget with the
         heads' ``tree.budget``; with a cost model, only candidates whose calibrated acceptance pays for them."""
-        proposals = [seq.suffix.propose(tree.proposer_depth, self.tree.budget) for seq in seqs]
+        started = time.perf_counter()
+        proposals = [self._propose(seq, tree.proposer_depth) for seq in seqs]
+        self.proposer_seconds += time.perf_counter() - started
         if not any(len(p.tokens) for p in proposals):
             return None
         min_prob = self.adaptive.node_threshold(len(seqs), tree.budget) if self.adaptive is not None else 0.0
         return TreeMerge(proposals, self.tree.budget, self.calibration.factors(), min_prob)
+
+    def _propose(self, seq: _Sequence, depth: int):
+        """The sequence's own suffix proposal, or the shared index's where that matched a longer suffix."""
+        proposal = seq.suffix.propose(depth, self.tree.budget)
+        if self.shared_suffix is not None:
+            shared = self.shared_suffix.propose(seq.suffix_context(), depth, self.tree.budget)
+            if shared.match_length > proposal.match_length:
+                return shared
+        return proposal
 
     def _observe_sources(self, batch: TreeBatch, accepted: list[Accepted]) -> list[int]:
         """Fold a step's acceptance into each source's calibration; returns each sequence's accepted draft tokens
@@ -531,6 +560,10 @@ class SpeculativeDecoder:
         for i, acc in enumerate(accepted):
             on_path[i, acc.path[1:]] = True
         self.calibration.observe(as_numpy(batch.position_offsets), sources.bits, sources.raw, sources.keys, on_path)
+        for column, name in enumerate(("heads", "suffix")):
+            proposed = ((sources.bits >> column) & 1).astype(bool)
+            self.source_counts[name][0] += int(proposed.sum())
+            self.source_counts[name][1] += int((proposed & on_path).sum())
         by_heads = (sources.bits & SOURCE_HEADS).astype(bool)
         return [next((j for j, node in enumerate(acc.path[1:]) if not by_heads[i, node]), len(acc.path) - 1)
                 for i, acc in enumerate(accepted)]

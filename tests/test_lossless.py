@@ -11,7 +11,7 @@ import torch
 
 from clover.attention import causal_packed_mask
 from clover.backends.torch import TorchEngine
-from clover.config import TreeConfig
+from clover.config import ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from tests.conftest import make_drafter, make_target
 from tests.helpers import Clover2OracleEngine, OracleEngine, hf_greedy, random_prompts, vanilla_greedy
@@ -269,3 +269,71 @@ def test_step_events_carry_each_decode_steps_counts():
         assert len(decode_events) == result.stats.num_steps
     first_events = {e.request_id: e for e in reversed(events)}  # each request's first event: its prompt pass
     assert not any(e.decode_step or e.draft_tokens for e in first_events.values())
+
+
+# -- model-free candidates (docs/trees.md#model-free-candidates) -------------------------------------------------
+
+def _repetitive_prompts(seed: int, count: int, vocab: int) -> list[list[int]]:
+    """Prompts that repeat a random phrase, so the suffix index has something to propose from the start."""
+    phrases = random_prompts(seed, count, vocab, 3, 8)
+    return [phrase * (2 + i % 2) for i, phrase in enumerate(phrases)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("method", ["clover", "medusa", "clover2"])
+def test_suffix_candidates_with_random_heads_equal_vanilla(batch, method):
+    target = make_target(seed=21, vocab_size=8)  # a small vocabulary: the greedy text soon repeats itself
+    engine = TorchEngine(target, make_drafter(target, method=method, num_heads=3, seed=22), max_seq_len=160)
+    prompts = _repetitive_prompts(21, batch, 8)
+    expected = hf_greedy(target, prompts, 48)
+    counts = {}
+    for proposer in ("suffix", "none"):
+        decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=6, proposer=proposer))
+        results = decoder.generate([GenerationRequest(p, max_new_tokens=48, stop_token_ids=()) for p in prompts])
+        assert [r.token_ids for r in results] == expected
+        counts[proposer] = decoder.source_counts
+    # the suffix candidates were merged and some accepted; without the proposer no tree was merged
+    assert counts["suffix"]["suffix"][1] >= 4 * batch and counts["suffix"]["heads"][0] > 0
+    assert counts["none"] == {"heads": [0, 0], "suffix": [0, 0]}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_suffix_alone_on_an_engine_without_heads_equals_vanilla(batch):
+    target = make_target(seed=23, vocab_size=8)
+    engine = TorchEngine(target, None, max_seq_len=160)
+    prompts = _repetitive_prompts(23, batch, 8)
+    expected = hf_greedy(target, prompts, 48)
+    results = _generate(engine, "suffix", prompts, TreeConfig(budget=8), max_new=48)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.num_steps for r in results) < 0.8 * sum(len(r.token_ids) - 1 for r in results)
+
+
+def test_suffix_candidates_with_oracle_heads_equal_vanilla_and_keep_the_oracle_path():
+    target = make_target(seed=24, vocab_size=24)
+    inner = TorchEngine(target, None, max_seq_len=160)
+    prompts = _repetitive_prompts(24, 3, 24)
+    expected = hf_greedy(target, prompts, MAX_NEW)
+    oracle = OracleEngine(inner, prompts, expected, num_heads=3)
+    results = _generate(oracle, "clover", prompts, TreeConfig(budget=8, proposer="suffix"))
+    assert [r.token_ids for r in results] == expected
+    for r in results:  # the oracle's path (probability 1) always fits the shared budget of 8 nodes
+        assert min(r.stats.accepted_per_step[:-1]) >= 3
+
+
+@pytest.mark.parametrize("method", ["clover", "suffix"])
+def test_suffix_candidates_with_mixed_lengths_and_joins_equal_vanilla(method):
+    target = make_target(seed=25, vocab_size=24)
+    engine = TorchEngine(target, make_drafter(target, num_heads=3) if method == "clover" else None, max_seq_len=160)
+    prompts = _repetitive_prompts(25, 7, 24)
+    lengths = [5, 40, 12, 1, 30, 8, 17]
+    decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=6, proposer="suffix"), max_batch_size=3)
+    results = decoder.generate([GenerationRequest(p, max_new_tokens=n, stop_token_ids=())
+                                for p, n in zip(prompts, lengths)])
+    for prompt, n, r in zip(prompts, lengths, results):
+        assert r.token_ids == hf_greedy(target, [prompt], n)[0]
+
+
+def test_method_suffix_refuses_a_tree_without_suffix_candidates():
+    engine = TorchEngine(make_target(seed=1), None, max_seq_len=64)
+    with pytest.raises(ConfigError, match="suffix proposer"):
+        SpeculativeDecoder(engine, "suffix", TreeConfig(proposer="none"))

@@ -72,18 +72,23 @@ def _exact_two_token_distribution(target, prompt, sampling):
     return joint
 
 
-@pytest.mark.parametrize("method, sampling", [("clover", SamplingConfig(temperature=1.0)),
-                                              ("clover", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)),
-                                              ("clover2", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9))])
-def test_speculative_sampling_matches_target_distribution(method, sampling):
+@pytest.mark.parametrize("method, sampling, proposer", [
+    ("clover", SamplingConfig(temperature=1.0), "none"),
+    ("clover", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9), "none"),
+    ("clover2", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9), "none"),
+    # the suffix index is a deterministic proposer: with it the trees change, the distribution must not
+    ("clover", SamplingConfig(temperature=1.0), "suffix"),
+    ("suffix", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9), "suffix")])
+def test_speculative_sampling_matches_target_distribution(method, sampling, proposer):
     target = make_target(seed=3, vocab_size=6)
     with torch.no_grad():  # flatter logits so that rejections and residual sampling both happen
         target.lm_head.weight.mul_(0.3)
-    drafter = make_drafter(target, method=method, num_heads=2, seed=4)
+    drafter = make_drafter(target, method=method, num_heads=2, seed=4) if method != "suffix" else None
     engine = TorchEngine(target, drafter, draft_top_k=4)
-    prompt = [1, 2, 3]
+    prompt = [1, 2, 3, 1, 2, 3, 1]  # repeats: the suffix index proposes from the first step on
     expected = _exact_two_token_distribution(target, prompt, sampling).flatten()
-    decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=4, top_k=4, prune_ratio=0), max_batch_size=500)
+    decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=4, top_k=4, prune_ratio=0, proposer=proposer),
+                                 max_batch_size=500)
     runs = 3000
     results = decoder.generate([GenerationRequest(prompt, max_new_tokens=2, sampling=sampling, stop_token_ids=(),
                                                   seed=1000 + i) for i in range(runs)])
