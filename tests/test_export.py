@@ -101,6 +101,19 @@ def test_speculative_decoding_through_onnxruntime_equals_torch_vanilla(checkpoin
     assert sum(sum(r.stats.depth_tried) for r in results) > 0
 
 
+@pytest.mark.parametrize("method", ["clover", "suffix"])
+def test_suffix_candidates_through_onnxruntime_equal_vanilla(checkpoints, engines, method):
+    """The suffix index's candidates merged into the heads' trees (and alone) on an onnxruntime engine, batch 3,
+    prompts that repeat themselves so the index proposes from the first step."""
+    ort_engine = OnnxRuntimeEngine(engines[("llama", "clover")])
+    prompts = [p * 3 for p in random_prompts(31, 3, ort_engine.spec.vocab_size, 2, 8)]
+    expected = hf_greedy(checkpoints["llama"], prompts, 24)
+    decoder = SpeculativeDecoder(ort_engine, method, TreeConfig(budget=6, proposer="suffix"))
+    results = decoder.generate([GenerationRequest(p, max_new_tokens=24, stop_token_ids=()) for p in prompts])
+    assert [r.token_ids for r in results] == expected
+    assert decoder.source_counts["suffix"][0] > 0  # candidates were merged into the trees
+
+
 def test_cli_generate_with_engine_equals_torch(checkpoints, engines, tmp_path, capsys):
     engine_dir = engines[("llama", "clover")]
     prompts = tmp_path / "in.jsonl"

@@ -53,6 +53,7 @@ def server(install, tiny_engine_dir, clover2_engine_path, tmp_path_factory):
         "clover": {"engine_dir": str(tiny_engine_dir), "threads": "1", "max_batch": "16"},
         "clover_bad": {"engine_dir": str(root / "no-such-engine")},
         "clover2": {"engine_dir": str(clover2_engine_path), "threads": "1", "max_batch": "4"},
+        "suffix_only": {"engine_dir": str(tiny_engine_dir), "threads": "1", "max_batch": "4", "method": "suffix"},
     })
     server = TritonServer(repo, 0, 0, 0, host="127.0.0.1", log_file=root / "tritonserver.log", install=install,
                           extra_args=("--model-control-mode=explicit", "--load-model=clover"))
@@ -305,6 +306,26 @@ def test_clover2_engine_serves_greedy_output(server, reference, tiny_engine_dir,
         admin.unload_model("clover2", headers=server.grpc_admin_headers)
         admin.close()
     assert "with clover2 decoding" in server.log_tail(20000)
+
+
+def test_suffix_method_serves_greedy_output(server, reference):
+    """Model parameter method=suffix: the suffix proposer alone (docs/trees.md#model-free-candidates); the model
+    "clover" of the other tests merges its candidates into the heads' trees (proposer auto)."""
+    import tritonclient.grpc as grpcclient
+
+    admin = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        admin.load_model("suffix_only", headers=server.grpc_admin_headers)
+        prompt = PROMPTS[3] + " " + PROMPTS[3]  # repeated text: the index has candidates from the first step
+        with GrpcClient(server.grpc_url, model="suffix_only") as client:
+            streamed, single = collect(client.stream(prompt, 40)), client.generate(PROMPTS[5], 24)
+        for result, (text, length) in ((streamed, (prompt, 40)), (single, (PROMPTS[5], 24))):
+            expected = reference(text, length)
+            assert result.token_ids == expected.token_ids and result.text == expected.text
+    finally:
+        admin.unload_model("suffix_only", headers=server.grpc_admin_headers)
+        admin.close()
+    assert "with suffix decoding" in server.log_tail(20000)
 
 
 def test_load_generator_reports_percentiles(server):
