@@ -318,19 +318,20 @@ class AdaptiveBudget:
         self._time_ratio[key] = ratio if old is None else decay * old + (1.0 - decay) * ratio
         self._choices.pop(batch, None)
 
-    def node_threshold(self, batch: int, budget: int, tree_tokens: float | None = None) -> float:
-        """The least acceptance probability for which one more tree node per sequence pays, at ``batch`` sequences
-        and a heads' ``budget`` (docs/trees.md#model-free-candidates).
+    def node_threshold(self, batch: int, budget: int, max_nodes: int | None = None) -> float:
+        """The least acceptance probability for which a tree node beyond the heads' ``budget`` pays, at ``batch``
+        sequences, when the trees may grow to ``max_nodes`` nodes (default ``budget + 1``)
+        (docs/trees.md#model-free-candidates).
 
-        A step of E expected tokens per sequence takes ``s`` seconds; one more node per sequence adds p expected
-        tokens and ``Δ = target_time(B·(T+1)) - target_time(B·T)`` seconds, so it pays when
-        ``(E + p) / (s + Δ) >= E / s``, i.e. ``p >= E·Δ / s``. ``tree_tokens``: T, default 1 + budget.
+        A step of E expected tokens per sequence takes ``s`` seconds; a node adds p expected tokens and, per node
+        and sequence, ``Δ`` = the target pass's mean cost of the nodes from ``1 + budget`` to ``1 + max_nodes``
+        tokens per sequence; it pays when ``(E + p) / (s + Δ) >= E / s``, i.e. ``p >= E·Δ / s``.
         """
         expected = self.acceptance.expected(budget)
-        tokens = 1 + budget if tree_tokens is None else tree_tokens
+        room = max(1, (budget + 1 if max_nodes is None else max_nodes) - budget)
         step = self.cost.step_time(batch, budget, expected, self.depth, self.top_k)
-        extra = self.cost.target_time(batch * (tokens + 1)) - self.cost.target_time(batch * tokens)
-        return expected * max(extra, 0.0) / step if step > 0 else 0.0
+        grown = self.cost.target_time(batch * (1 + budget + room)) - self.cost.target_time(batch * (1 + budget))
+        return expected * max(grown, 0.0) / room / step if step > 0 else 0.0
 
     def observe(self, budget: int, accepted_per_sequence: Sequence[int]) -> None:
         """One step's accepted draft tokens per sequence at ``budget``."""

@@ -538,7 +538,8 @@ class SpeculativeDecoder:
         self.proposer_seconds += time.perf_counter() - started
         if not any(len(p.tokens) for p in proposals):
             return None
-        min_prob = self.adaptive.node_threshold(len(seqs), tree.budget) if self.adaptive is not None else 0.0
+        min_prob = (self.adaptive.node_threshold(len(seqs), tree.budget, self.tree.budget)
+                    if self.adaptive is not None else 0.0)
         return TreeMerge(proposals, self.tree.budget, self.calibration.factors(), min_prob)
 
     def _propose(self, seq: _Sequence, depth: int):

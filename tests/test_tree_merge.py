@@ -116,6 +116,8 @@ def test_node_threshold_is_where_one_more_node_pays():
     assert chooser.node_threshold(1, 0) == pytest.approx(0.1)
     # at batch 4 the pass goes from 13 ms to 30 ms for 4 more tokens: p >= 17 / 13
     assert chooser.node_threshold(4, 0) == pytest.approx(17 / 13)
+    # trees that may grow to 7 nodes: the mean cost of the 7 nodes, (30 - 10) / 7 ms each
+    assert chooser.node_threshold(1, 0, max_nodes=7) == pytest.approx(20 / 7 / 10)
 
 
 @pytest.mark.parametrize("bad", [{"proposer": "ngram"}, {"proposer_depth": 0},
