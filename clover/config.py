@@ -273,7 +273,7 @@ class TreeConfig(JsonMixin):
     @property
     def suffix_candidates(self) -> bool:
         """Whether model-free suffix candidates join the tree (``proposer`` resolved)."""
-        return self.proposer == "suffix"  # TODO(coordinator): None -> suffix for dynamic trees once clover/suffix.py lands
+        return self.proposer == "suffix" or (self.proposer is None and self.static_choices is None)
 
 
 @dataclasses.dataclass

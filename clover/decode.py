@@ -30,6 +30,7 @@ from clover.config import ConfigError, SamplingConfig, TreeConfig
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
 from clover.host_ops import as_numpy, cpu_tensor, take_rows
+from clover.suffix import SharedSuffixIndex, SuffixIndex
 from clover.tree import SOURCE_HEADS, TreeBatch, TreeMerge, draft_tree_batch, root_batch
 from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
 
@@ -181,7 +182,7 @@ class _Sequence:
         self.generator = torch.Generator().manual_seed(request.seed)
         self.root_token = -1
         self.root_hidden: torch.Tensor | None = None
-        self.suffix = None  # SuffixIndex  # over the prompt and the emitted tokens, with the suffix proposer
+        self.suffix: SuffixIndex | None = None  # over the prompt and the emitted tokens, with the suffix proposer
 
     def suffix_context(self, width: int = 64) -> list[int]:
         """The last ``width`` tokens of the prompt and the output: what the shared suffix index matches."""
@@ -283,8 +284,6 @@ class SpeculativeDecoder:
                             if self.suffix_on else None)
         self.shared_suffix = None  # over earlier requests' outputs (TreeConfig.shared_suffix_tokens)
         if self.suffix_on and self.tree.shared_suffix_tokens:
-            from clover.suffix import SharedSuffixIndex
-
             self.shared_suffix = SharedSuffixIndex(self.tree.shared_suffix_tokens)
         # draft nodes proposed and accepted per source, over the steps with merged trees (reports, benchmarks)
         self.source_counts = {"heads": [0, 0], "suffix": [0, 0]}
@@ -456,8 +455,6 @@ class SpeculativeDecoder:
             seq.root_token = token
             seq.root_hidden = result.h0[i, last[i]].clone()
             if self.suffix_on:
-                from clover.suffix import SuffixIndex  # TODO(coordinator): module-level once clover/suffix.py lands
-
                 seq.suffix = SuffixIndex(seq.request.prompt_ids)
             events.append(self._event(seq, seq.emit([token])))
         self._draft_after_prefill(seqs, rows, result.h0, input_ids, lengths)
