@@ -58,6 +58,7 @@ class EngineMeta:
     drafter_config: DrafterConfig | None = None
     draft_top_k: int = 8
     draft_quantization: dict | None = None
+    target_quantization: dict | None = None  # quantized target weights (docs/quantized-target.md); None: fp32/fp16
     tree_defaults: TreeConfig = dataclasses.field(default_factory=TreeConfig)
     source: dict[str, str | None] = dataclasses.field(default_factory=dict)
     cost_model: CostModel | None = None  # None unless calibrated (build_engine.py, --recalibrate)
@@ -72,6 +73,8 @@ class EngineMeta:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if not self.num_draft_kv_layers:
             del data["num_draft_kv_layers"]  # engine.json of a contract-v1 engine stays as it was
+        if self.target_quantization is None:
+            del data["target_quantization"]  # so does an fp32 engine's
         for name in ("limits", "target_config", "drafter_config", "tree_defaults", "cost_model"):
             value = data[name]
             data[name] = dataclasses.asdict(value) if value is not None else None

@@ -6,6 +6,7 @@ Examples::
     python export/build_engine.py --target demo --output engines/demo
     python export/build_engine.py --target path/to/hf-checkpoint --drafter path/to/heads --output engines/mine
     python export/build_engine.py --target demo --backend tensorrt --dtype fp16 --output engines/demo-trt
+    python export/build_engine.py --target demo --target-weights fp32 --output engines/demo-fp32   # dequantised
     python export/build_engine.py --output engines/demo --recalibrate   # new cost model, no rebuild
 
 The directory is self-contained: ``clover generate --engine DIR`` needs nothing else.
@@ -19,7 +20,7 @@ import sys
 from tqdm import tqdm
 
 from clover.config import ConfigError
-from clover.export.builder import build_engine, default_draft_int8, recalibrate_engine_dir
+from clover.export.builder import build_engine, default_draft_int8, default_target_weights, recalibrate_engine_dir
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,6 +59,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(FR-Spec; written by training/draft_vocab.py): its LM-head cost shrinks by V/N; only the "
                         "proposals change, outputs stay lossless. 0: the full vocabulary. Default: the heads' own "
                         "draft_vocab_size (config.json; the full vocabulary for heads without one)")
+    p.add_argument("--target-weights", choices=["fp32", "int8", "q4"], default=None,
+                   help="the target's linear weights (onnxruntime fp32 engines; docs/quantized-target.md): q4 = "
+                        "4-bit blocks (onnxruntime MatMulNBits; on the demo target the GGUF's own Q4_1 layers and "
+                        "Q8_0 LM head, elsewhere quantized per block of 32), int8 = int8 per output channel, fp32 = "
+                        "as loaded. Decoding stays lossless against vanilla greedy on the same engine. Default: q4 "
+                        "on the demo target, else fp32")
+    p.add_argument("--target-compute", choices=["fp32", "int8"], default=None,
+                   help="activations in the quantized target's MatMuls: int8 (MatMulNBits accuracy_level 4, "
+                        "quantized per block of 32, faster) or fp32 (accuracy_level 1; q4 only). Default: int8")
     p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
     p.add_argument("--recalibrate", action="store_true",
                    help="only measure and store a new cost model in the existing engine --output (cost models "
@@ -87,7 +97,9 @@ def main(argv=None) -> int:
                      overwrite=args.overwrite, calibrate=args.calibrate,
                      calibrate_max_tokens=args.calibrate_max_tokens, on_layer=on_layer,
                      draft_int8=default_draft_int8(args.backend, args.dtype) if args.draft_int8 is None
-                     else args.draft_int8, draft_vocab=args.draft_vocab)
+                     else args.draft_int8, draft_vocab=args.draft_vocab,
+                     target_weights=args.target_weights or default_target_weights(args.target, args.backend, args.dtype),
+                     target_compute=args.target_compute)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"build_engine: error: {exc}", file=sys.stderr)
         return 2

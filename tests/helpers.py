@@ -256,3 +256,26 @@ def greedy_deviations(source, prompt: list[int], tokens: list[int],
     top2 = torch.topk(logits, 2, dim=-1).values
     deficit = top2[:, 0] - chosen
     return [(i, float(deficit[i]), float(top2[i, 0] - top2[i, 1])) for i in range(len(tokens)) if deficit[i] > 0]
+
+
+# -- quantized targets: the reference over the weights as stored (docs/quantized-target.md) -----------------
+
+
+def dequantised_target(source, weights: dict):
+    """A copy of the clover ``LlamaTarget`` ``source`` (or of the checkpoint directory ``source``) whose linear
+    weights are ``weights`` (``clover.export.target_weights.StoredWeight`` by parameter name) dequantised by
+    their own ``dequantize`` (the ``gguf`` package's for Q4_1 / Q8_0), a tied embedding included: what a
+    quantized engine means, for :func:`hf_greedy` (transformers) to decode independently of the engine's
+    MatMulNBits packing and graph."""
+    import copy
+
+    from clover.target import load_target
+
+    target = copy.deepcopy(load_target(source) if isinstance(source, (str, Path)) else source)
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            if name in weights:
+                param.copy_(torch.from_numpy(weights[name].dequantize()))
+        if target.config.tie_word_embeddings and "lm_head.weight" in weights:
+            target.embed_tokens.weight.copy_(torch.from_numpy(weights["lm_head.weight"].dequantize()))
+    return target

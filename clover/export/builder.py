@@ -48,6 +48,8 @@ class BuildOptions:
     num_heads: int = 3
     draft_int8: bool = False
     draft_vocab: int | None = None
+    target_weights: str = "fp32"
+    target_compute: str | None = None
 
     def validated(self) -> "BuildOptions":
         """These options with the attention default filled in; ConfigError for an impossible combination."""
@@ -60,7 +62,43 @@ class BuildOptions:
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise ConfigError(f"draft_vocab must be >= 0 (0: the full vocabulary), not {self.draft_vocab}")
         attention = self.attention or ("plugin" if self.backend == "tensorrt" else "standard")
-        return dataclasses.replace(self, attention=attention)
+        return dataclasses.replace(self, attention=attention, target_compute=self._checked_target_compute())
+
+    def _checked_target_compute(self) -> str | None:
+        """The target's MatMul compute for quantized weights (None for fp32 weights); ConfigError naming what is
+        supported for an impossible combination (docs/quantized-target.md)."""
+        from clover.export.target_weights import TARGET_COMPUTE, TARGET_WEIGHTS
+
+        if self.target_weights not in TARGET_WEIGHTS:
+            raise ConfigError(f"unknown target weights {self.target_weights!r}; choose {', '.join(TARGET_WEIGHTS)}")
+        if self.target_weights == "fp32":
+            if self.target_compute not in (None, "fp32"):
+                raise ConfigError("--target-compute is for quantized target weights (--target-weights q4 or int8)")
+            return None
+        if self.backend != "onnxruntime" or self.dtype != "fp32":
+            raise ConfigError(f"--target-weights {self.target_weights} is for onnxruntime fp32 engines (onnxruntime's "
+                              f"MatMulNBits); --backend {self.backend} --dtype {self.dtype} supports --target-weights "
+                              "fp32 only")
+        compute = self.target_compute or DEFAULT_TARGET_COMPUTE
+        if compute not in TARGET_COMPUTE:
+            raise ConfigError(f"unknown target compute {compute!r}; choose {', '.join(TARGET_COMPUTE)}")
+        if self.target_weights == "int8" and compute != "int8":
+            raise ConfigError("--target-weights int8 runs with --target-compute int8 (onnxruntime's 8-bit MatMulNBits "
+                              "has no fp32-activation kernel); --target-weights q4 supports both")
+        return compute
+
+
+# Quantized targets run with int8 activations unless told otherwise (docs/quantized-target.md#compute).
+DEFAULT_TARGET_COMPUTE = "int8"
+# The demo engine's target: the GGUF's own 4-bit blocks, int8 compute (docs/quantized-target.md#the-default).
+DEMO_TARGET_WEIGHTS, DEMO_TARGET_COMPUTE = "q4", "int8"
+
+
+def default_target_weights(target: str | None, backend: str = "onnxruntime", dtype: str = "fp32") -> str:
+    """``q4`` for an onnxruntime fp32 engine of the demo target (the GGUF's own blocks:
+    docs/quantized-target.md#the-default), else ``fp32``."""
+    demo = target in (None, "demo") and backend == "onnxruntime" and dtype == "fp32"
+    return DEMO_TARGET_WEIGHTS if demo else "fp32"
 
 
 def default_draft_int8(backend: str, dtype: str) -> bool:
@@ -101,6 +139,7 @@ class _LoadedModels:
     tokenizer: object
     heads: object | None  # clover.drafters.Drafter; None for a vanilla-only engine
     drafter_source: str | None
+    gguf: Path | None = None  # the demo target's GGUF: its own blocks for --target-weights q4
 
 
 def _load_models(target: str | None, drafter: str | None, options: BuildOptions, cache_dir: str | None,
@@ -131,13 +170,35 @@ def _load_models(target: str | None, drafter: str | None, options: BuildOptions,
                               f"draft top {options.draft_top_k}")
         progress(f"draft vocabulary: the {heads.config.draft_vocab_size} most frequent tokens")
     source = str(drafter) if drafter not in (None, "none") else drafter
-    return _LoadedModels(target_dir, model, tokenizer, heads, source)
+    gguf = None
+    if target in (None, "demo") and options.target_weights == "q4":
+        from clover.demo import find_demo_gguf
+
+        gguf = find_demo_gguf()
+    return _LoadedModels(target_dir, model, tokenizer, heads, source, gguf)
+
+
+def _target_weights(models: _LoadedModels, options: BuildOptions, progress: Callable[[str], None]):
+    """(stored target weights or None, ``engine.json``'s ``target_quantization`` or None)."""
+    from clover.export.target_weights import describe, target_weights_for
+
+    if options.target_weights == "fp32":
+        return None, None
+    if models.gguf is not None:
+        progress(f"reading the target's own Q4_1 / Q8_0 blocks from {models.gguf.name}")
+        source = f"{models.gguf.name}: its own blocks"
+    else:
+        progress(f"quantizing the target's linear weights ({options.target_weights})")
+        source = "quantized per block (gguf Q4_1, LM head Q8_0)" if options.target_weights == "q4" else \
+            "quantized per output channel (int8, symmetric)"
+    weights = target_weights_for(models.model, options.target_weights, models.gguf)
+    return weights, describe(weights, options.target_weights, options.target_compute, source)
 
 
 def _export_graphs(out: Path, models: _LoadedModels, options: BuildOptions, progress: Callable[[str], None],
-                   on_layer: Callable[[int, int], None] | None) -> tuple[dict, dict | None]:
+                   on_layer: Callable[[int, int], None] | None) -> tuple[dict, dict | None, dict | None]:
     """Write target.onnx (and draft_step.onnx, and draft_prefill.onnx for a drafter with its own KV cache);
-    returns the tensor table and the draft quantization."""
+    returns the tensor table, the draft quantization and the target quantization."""
     from clover.export.onnx_graph import export_draft_prefill, export_draft_step, export_target
 
     model, heads = models.model, models.heads
@@ -145,9 +206,12 @@ def _export_graphs(out: Path, models: _LoadedModels, options: BuildOptions, prog
     model.to(torch_dtype)
     if heads is not None:
         heads.to(torch_dtype)
-    progress(f"writing target.onnx ({options.attention} attention, {options.dtype})")
+    weights, target_quantization = _target_weights(models, options, progress)
+    precision = options.dtype if weights is None else f"{options.target_weights} weights, {options.target_compute} compute"
+    progress(f"writing target.onnx ({options.attention} attention, {precision})")
     tensors = {"target": export_target(model, heads, out / "target.onnx", options.dtype, options.attention,
-                                       on_layer, max_positions=_max_seq(options, model)),
+                                       on_layer, max_positions=_max_seq(options, model), target_weights=weights,
+                                       compute=options.target_compute or "fp32"),
                "draft_step": None}
     quantization = None
     if heads is not None:
@@ -164,7 +228,7 @@ def _export_graphs(out: Path, models: _LoadedModels, options: BuildOptions, prog
         progress("writing draft_prefill.onnx")
         tensors["draft_prefill"] = export_draft_prefill(model, heads, out / "draft_prefill.onnx", options.dtype,
                                                         options.attention, max_positions=_max_seq(options, model))
-    return tensors, quantization
+    return tensors, quantization, target_quantization
 
 
 def _has_draft_prefill(models: _LoadedModels) -> bool:
@@ -198,7 +262,7 @@ def _build_plans(out: Path, models: _LoadedModels, options: BuildOptions) -> dic
 
 
 def _engine_meta(models: _LoadedModels, options: BuildOptions, files: dict, tensors: dict,
-                 quantization: dict | None) -> EngineMeta:
+                 quantization: dict | None, target_quantization: dict | None = None) -> EngineMeta:
     import torch
 
     from clover.target import target_fingerprint
@@ -212,6 +276,7 @@ def _engine_meta(models: _LoadedModels, options: BuildOptions, files: dict, tens
         target_fingerprint=target_fingerprint(model.to(torch.float32)),
         drafter_config=heads.config if heads is not None else None,
         draft_top_k=options.draft_top_k, draft_quantization=quantization, tree_defaults=TreeConfig(),
+        target_quantization=target_quantization,
         source={"target": str(models.target_dir), "drafter": models.drafter_source,
                 "drafter_sha256": heads_digest(models.drafter_source)},
     )
@@ -249,7 +314,10 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
             :mod:`clover.export.quantize`; onnxruntime fp32 only; the target is untouched, so decoding
             stays lossless); ``draft_vocab`` (the draft step scores only that many most frequent tokens of
             the heads' ``draft_vocab.safetensors``, 0 all of them; default: the heads' own
-            ``draft_vocab_size``; docs/drafter.md#draft-vocabulary; lossless too).
+            ``draft_vocab_size``; docs/drafter.md#draft-vocabulary; lossless too); ``target_weights``
+            (``fp32``, ``q4``: 4-bit MatMulNBits over Q4_1 blocks, the demo GGUF's own, ``int8``: per channel;
+            onnxruntime fp32 engines; :mod:`clover.export.target_weights`, docs/quantized-target.md) and
+            ``target_compute`` (``fp32`` or ``int8`` activations in those MatMuls; default ``int8``).
         calibrate: time the built engine's ``target`` and ``draft_step`` (and ``draft_prefill``) for several
             token counts (up to ``calibrate_max_tokens``, default ``max_batch * (1 + max_tree)`` capped at 256)
             and store the cost model in ``engine.json`` (adaptive trees use it; :mod:`clover.adaptive`).
@@ -263,7 +331,7 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
         require_tensorrt()
     with atomic_directory(output, overwrite) as tmp:
         models = _load_models(target, drafter, options, cache_dir, progress)
-        tensors, quantization = _export_graphs(tmp, models, options, progress, on_layer)
+        tensors, quantization, target_quantization = _export_graphs(tmp, models, options, progress, on_layer)
         models.tokenizer.save_pretrained(str(tmp))
         files = {"target": "target.onnx", "draft_step": "draft_step.onnx" if models.heads is not None else None}
         if _has_draft_prefill(models):
@@ -271,7 +339,7 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
         if options.backend == "tensorrt":
             progress("building TensorRT plans (minutes)")
             files.update(_build_plans(tmp, models, options))
-        meta = _engine_meta(models, options, files, tensors, quantization)
+        meta = _engine_meta(models, options, files, tensors, quantization, target_quantization)
         meta.write(tmp)
         if calibrate:
             progress("calibrating the cost model (step time against tokens in flight)")

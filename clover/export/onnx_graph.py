@@ -54,6 +54,9 @@ class GraphWriter:
         self.data_path = data_path
         self._data = open(data_path, "wb")
         self._count = 0
+        # quantized target linears (nn.Linear -> clover.export.target_weights.StoredWeight) and their compute
+        self.stored: dict = {}
+        self.compute = "fp32"
 
     def close(self) -> None:
         self._data.close()
@@ -95,15 +98,41 @@ class GraphWriter:
     # -- building blocks --------------------------------------------------
 
     def linear(self, x: str, layer: torch.nn.Linear, name: str) -> str:
-        y = self.op("MatMul", x, self.weight(f"{name}.weight", layer.weight.T))
+        if layer in self.stored:
+            y = self.stored_matmul(x, self.stored[layer], name)
+        else:
+            y = self.op("MatMul", x, self.weight(f"{name}.weight", layer.weight.T))
         return self.op("Add", y, self.weight(f"{name}.bias", layer.bias)) if layer.bias is not None else y
+
+    def stored_matmul(self, x: str, stored, name: str) -> str:
+        """``x @ W.T`` for a quantized weight ``W`` ``[N, K]`` (a ``StoredWeight``): one ``MatMulNBits`` over its
+        packed blocks, plus Q4_1's per-block offset times each block's input sum (docs/quantized-target.md#mapping).
+        8-bit weights with fp32 compute are a plain MatMul over the dequantised values: onnxruntime's 8-bit kernel
+        has no fp32-activation path (it would dequantise the whole matrix at every call)."""
+        from clover.export.target_weights import ACCURACY_LEVEL, pack_matmul_nbits
+
+        if self.compute == "fp32" and stored.format != "q4_1":
+            return self.op("MatMul", x, self.weight(f"{name}.weight", stored.dequantize().T))
+        p = pack_matmul_nbits(stored)
+        y = self.op("MatMulNBits", x, self.weight(f"{name}.qweight", p.packed), self.weight(f"{name}.scales", p.scales),
+                    domain="com.microsoft", K=p.K, N=p.N, bits=p.bits, block_size=p.block_size,
+                    accuracy_level=ACCURACY_LEVEL[self.compute])
+        if p.block_offset is None:
+            return y
+        blocks = self.op("Reshape", x, self.const([0, 0, p.K // p.block_size, p.block_size], np.int64))
+        sums = self.op("ReduceSum", blocks, self.const([-1], np.int64), keepdims=0)  # [B, T, K/block]
+        return self.op("Add", y, self.op("MatMul", sums, self.weight(f"{name}.block_offset", p.block_offset)))
 
     def fused_linear(self, x: str, layers: list[torch.nn.Linear], name: str) -> list[str]:
         """``[layer(x) for layer in layers]`` as one MatMul over the concatenated weights, then a Split: one
         bigger GEMM instead of several, fewer nodes and thread-pool dispatches per pass
         (docs/results/target-pass)."""
-        weight = torch.cat([layer.weight for layer in layers]).T
-        y = self.op("MatMul", x, self.weight(f"{name}.weight", weight))
+        if all(layer in self.stored for layer in layers):
+            from clover.export.target_weights import concat_rows
+
+            y = self.stored_matmul(x, concat_rows([self.stored[layer] for layer in layers]), name)
+        else:
+            y = self.op("MatMul", x, self.weight(f"{name}.weight", torch.cat([layer.weight for layer in layers]).T))
         if any(layer.bias is not None for layer in layers):
             bias = torch.cat([layer.bias if layer.bias is not None else torch.zeros(layer.out_features)
                               for layer in layers])
@@ -285,13 +314,46 @@ def _save(g: GraphWriter, graph: onnx.GraphProto, path: Path, check: bool = True
         onnx.checker.check_model(str(path))  # the path form resolves external data
 
 
+def _use_stored_weights(g: GraphWriter, target: LlamaTarget, weights: dict | None, compute: str) -> None:
+    """Make ``g`` write the target's linears from their stored (quantized) weights: ``weights`` maps clover
+    parameter names (``layers.0.mlp.up_proj.weight``, ``lm_head.weight``) to ``StoredWeight``; the
+    Augmenting Block's linears are not among them and stay as they are."""
+    g.compute = compute
+    for name, module in target.named_modules():
+        if weights and f"{name}.weight" in weights:
+            g.stored[module] = weights[f"{name}.weight"]
+
+
+def _embedding_table(g: GraphWriter, target: LlamaTarget) -> str:
+    """The Gather table: the embedding as is, or for tied embeddings with a quantized LM head, the stored LM head
+    dequantised (one table, stored once: the demo GGUF's Q8_0 token_embd serves both)."""
+    if target.config.tie_word_embeddings and target.lm_head in g.stored:
+        return g.weight("embed_tokens.weight", g.stored[target.lm_head].dequantize())
+    return g.weight("embed_tokens.weight", target.embed_tokens.weight)
+
+
+def _lm_head(g: GraphWriter, target: LlamaTarget, normed: str, embed: str) -> None:
+    """``logits`` from the final normed hidden state: the stored LM head, or the (tied) fp32 weight (also for a
+    stored 8-bit head with fp32 compute: the tied table holds its values, :func:`_embedding_table`)."""
+    tied_fp32 = target.config.tie_word_embeddings and g.compute == "fp32"
+    if target.lm_head in g.stored and not tied_fp32:
+        g.op("Identity", g.linear(normed, target.lm_head, "lm_head"), outputs=["logits"])
+    elif target.config.tie_word_embeddings:
+        g.op("MatMul", normed, g.op("Transpose", embed, perm=[1, 0]), outputs=["logits"])
+    else:
+        g.op("MatMul", normed, g.weight("lm_head.weight", target.lm_head.weight.T), outputs=["logits"])
+
+
 def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtype: str = "fp32",
-                  attention: str = "standard", on_layer=None, max_positions: int = 2048) -> dict:
+                  attention: str = "standard", on_layer=None, max_positions: int = 2048,
+                  target_weights: dict | None = None, compute: str = "fp32") -> dict:
     """Write ``target.onnx`` (+ ``target.onnx.data``): target plus Augmenting Block.
 
     ``on_layer(done, total)`` is called after each layer is written (progress).
     The standard variant uses onnxruntime's RotaryEmbedding op with tables for
     ``max_positions`` positions; the plugin variant (TensorRT) uses plain ops.
+    ``target_weights``: quantized linears (:func:`clover.export.target_weights.target_weights_for`), run
+    with ``compute`` (``fp32`` or ``int8`` activations; docs/quantized-target.md); None: the fp32 weights.
     Returns the tensor table for ``engine.json``.
     """
     _check_attention(attention)
@@ -299,6 +361,7 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
     augment = drafter.augment if drafter is not None else None
     num_kv = cfg.num_layers + (augment is not None)
     g = GraphWriter(Path(str(path) + ".data"), dtype)
+    _use_stored_weights(g, target, target_weights, compute)
     float_type = g.onnx_dtype  # ONNX element type of the float inputs and outputs
     cache_names, present_names = cache_input_names(num_kv), present_output_names(num_kv)
     inputs = [
@@ -315,7 +378,7 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
          for n in present_names]
     names = [i.name for i in inputs]
     shared, rope = _attention_setup(g, cfg, attention, names, max_positions)
-    embed = g.weight("embed_tokens.weight", target.embed_tokens.weight)
+    embed = _embedding_table(g, target)
     x = g.op("Gather", embed, "input_ids", axis=0)
     last_input = x
     for i, layer in enumerate(target.layers):
@@ -324,11 +387,7 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
                            present_names[2 * i], present_names[2 * i + 1], cfg, attention, shared, names)
         if on_layer is not None:
             on_layer(i + 1, num_kv)
-    normed = g.rms_norm(x, target.norm, "norm")
-    if cfg.tie_word_embeddings:
-        g.op("MatMul", normed, g.op("Transpose", embed, perm=[1, 0]), outputs=["logits"])
-    else:
-        g.op("MatMul", normed, g.weight("lm_head.weight", target.lm_head.weight.T), outputs=["logits"])
+    _lm_head(g, target, g.rms_norm(x, target.norm, "norm"), embed)
     if augment is None:
         g.op("Identity", x, outputs=["h0"])
     else:

@@ -1,0 +1,353 @@
+"""Quantized targets (docs/quantized-target.md): the Q4_1 / Q8_0 / int8 -> MatMulNBits mapping, and lossless
+decoding on 4-bit and 8-bit engines.
+
+Lossless here has two halves. Speculative decoding equals vanilla greedy on the same engine, token for token.
+And the engine decodes what its stored weights mean: the reference is transformers ``generate()`` over those
+weights dequantised by the ``gguf`` package (tests/helpers.py::dequantised_target), independent of the
+MatMulNBits packing and of the ONNX graph. With fp32 compute the engine equals it token for token; with int8
+compute (activations quantized per block of 32) each token is the reference's argmax or within the engine's
+measured logit error of it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from clover.backends.onnxruntime import OnnxRuntimeEngine
+from clover.config import ConfigError, TreeConfig
+from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.drafters import save_drafter
+from clover.export.builder import build_engine
+from clover.export.target_weights import (INT8_BLOCK_SIZES, StoredWeight, check_quantizable, pack_matmul_nbits, quantize_gguf,
+                                          quantize_int8_channel, quantize_target, read_gguf_target)
+from clover.target import load_target
+from tests.conftest import make_drafter, write_tiny_checkpoint
+from tests.helpers import OracleEngine, dequantised_target, hf_greedy, random_prompts, vanilla_greedy
+
+quiet = dict(progress=lambda message: None)
+MAX_NEW = 24
+# (weights, compute, heads): the engines decoded below
+ENGINES = [("q4", "fp32", "clover"), ("q4", "int8", "clover"), ("q4", "int8", "medusa"), ("int8", "int8", "clover"),
+           ("q4", "fp32", "medusa")]
+
+
+# -- the mapping onto MatMulNBits ---------------------------------------------------------------------------
+
+
+def _matmul_nbits_weight(stored: StoredWeight, compute: str, tmp_path) -> np.ndarray:
+    """The weight ``[N, K]`` the engine's MatMul for ``stored`` applies: its graph node(s) run on the identity."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from clover.export.onnx_graph import GraphWriter, _save
+
+    n, k = stored.shape
+    g = GraphWriter(tmp_path / "op.onnx.data", "fp32")
+    g.compute = compute
+    g.op("Identity", g.stored_matmul("x", stored, "w"), outputs=["y"])
+    graph = helper.make_graph(g.nodes, "op", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, k, n])], g.initializers)
+    _save(g, graph, tmp_path / "op.onnx")
+    session = ort.InferenceSession(str(tmp_path / "op.onnx"), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": np.eye(k, dtype=np.float32)[None]})[0][0].T
+
+
+def _q4_1_block(d: float, m: float, q: list[int]) -> bytes:
+    """One GGUF Q4_1 block written by hand: fp16 d, fp16 m, byte j = q[j] | q[j + 16] << 4."""
+    nibbles = bytes(q[j] | (q[j + 16] << 4) for j in range(16))
+    return np.float16(d).tobytes() + np.float16(m).tobytes() + nibbles
+
+
+def test_hand_written_q4_1_blocks_map_exactly(tmp_path):
+    rng = np.random.default_rng(0)
+    rows = [[(0.5, -1.25, list(rng.integers(0, 16, 32))), (0.03125, 2.0, list(range(16)) * 2)],
+            [(0.0, 0.75, [7] * 32), (1.5, -11.0, list(rng.integers(0, 16, 32)))]]  # d = 0: all weights m
+    data = np.frombuffer(b"".join(_q4_1_block(*block) for row in rows for block in row), np.uint8).reshape(2, 40)
+    stored = StoredWeight("q4_1", (2, 64), data)
+    by_hand = np.array([[d * q + m for d, m, qs in row for q in qs] for row in rows], dtype=np.float32)
+    assert np.array_equal(stored.dequantize(), by_hand)  # the gguf package reads the block as written
+    assert np.array_equal(_matmul_nbits_weight(stored, "fp32", tmp_path), by_hand)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "int8_channel"])
+def test_mapping_reproduces_the_dequantised_weights(fmt, tmp_path):
+    """fp32 compute: exactly the stored numbers. int8 compute: the identity's one-hot rows quantize to 127 * (1/127),
+    so within a few float32 ulps."""
+    weight = np.random.default_rng(1).normal(0, 0.3, (40, 96)).astype(np.float32)
+    stored = quantize_int8_channel(weight) if fmt == "int8_channel" else quantize_gguf(weight, fmt)
+    expected = stored.dequantize()
+    assert np.abs(expected - weight).max() < (0.2 if fmt == "q4_1" else 0.01)  # it is a quantization of weight
+    if fmt == "q4_1":  # the 8-bit kernel has no fp32-compute path: those run as a plain MatMul (not tested here)
+        assert np.array_equal(_matmul_nbits_weight(stored, "fp32", tmp_path), expected)
+    np.testing.assert_allclose(_matmul_nbits_weight(stored, "int8", tmp_path), expected, rtol=1e-6, atol=1e-6)
+    packed = pack_matmul_nbits(stored)
+    assert packed.packed.dtype == np.uint8 and packed.packed.shape[:2] == (40, 96 // packed.block_size)
+
+
+def _permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row permutation (convert_hf_to_gguf.py ``permute``)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def test_a_synthetic_gguf_reads_back_in_hugging_face_order(tmp_path):
+    """A llama GGUF written here (Q4_1 layers with q/k rows permuted as llama.cpp's converter does, a Q8_0 tied
+    embedding) reads back as the blocks of the Hugging Face weights."""
+    import gguf
+
+    target = load_target(write_tiny_checkpoint(tmp_path / "ckpt", tie_word_embeddings=True))
+    cfg = target.config
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    expected = quantize_target(target, "q4")
+    state = {name: t.numpy() for name, t in target.state_dict().items()}
+    for i in range(cfg.num_layers):
+        for ours, theirs in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v"),
+                             ("self_attn.o_proj", "attn_output"), ("mlp.gate_proj", "ffn_gate"),
+                             ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down")):
+            weight = state[f"layers.{i}.{ours}.weight"]
+            if theirs == "attn_q":
+                weight = _permute_rows(weight, cfg.num_heads)
+            elif theirs == "attn_k":
+                weight = _permute_rows(weight, cfg.num_kv_heads)
+            blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1)
+            writer.add_tensor(f"blk.{i}.{theirs}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    embd = gguf.quants.quantize(state["embed_tokens.weight"], gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight", embd, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    for call in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        call()
+    writer.close()
+    read = read_gguf_target(tmp_path / "tiny.gguf", cfg)
+    assert set(read) == set(expected)
+    for name, weight in read.items():
+        assert weight.format == expected[name].format and weight.shape == expected[name].shape, name
+        assert np.array_equal(weight.data, expected[name].data), name
+
+
+def test_one_real_layer_of_the_demo_gguf(tmp_path):
+    """The demo GGUF's first layer (Q4_1) and its embedding / LM head (Q8_0): the engine's MatMul applies exactly
+    what the gguf package dequantises from the file."""
+    import gguf
+
+    from clover.demo import DemoModelMissing, find_demo_gguf
+    from clover.target import TargetConfig
+
+    try:
+        path = find_demo_gguf()
+    except DemoModelMissing as exc:
+        pytest.skip(str(exc))
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert {types[f"blk.0.{n}.weight"] for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                                 "ffn_down")} == {"Q4_1"}
+    assert types["token_embd.weight"] == "Q8_0" and "output.weight" not in types  # tied
+    assert {types[f"blk.0.{n}.weight"] for n in ("attn_norm", "ffn_norm")} == {"F32"}
+    cfg = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9,
+                       num_kv_heads=3, head_dim=64)
+    weights = read_gguf_target(path, cfg)
+    raw = {t.name: t for t in reader.tensors}
+    up = weights["layers.0.mlp.up_proj.weight"]
+    by_gguf = gguf.quants.dequantize(np.asarray(raw["blk.0.ffn_up.weight"].data), gguf.GGMLQuantizationType.Q4_1)
+    assert np.array_equal(_matmul_nbits_weight(up, "fp32", tmp_path), by_gguf)
+    head = weights["lm_head.weight"]
+    rows = StoredWeight("q8_0", (512, 576), head.data[:512])  # 512 of the 49,152 rows keep it small
+    by_gguf = gguf.quants.dequantize(np.asarray(raw["token_embd.weight"].data[:512]), gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_allclose(_matmul_nbits_weight(rows, "int8", tmp_path), by_gguf, rtol=1e-6, atol=1e-7)
+
+
+# -- refusals -------------------------------------------------------------------------------------------
+
+
+def test_unsupported_combinations_are_refused_with_what_is_supported(tmp_path):
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match="onnxruntime fp32 engines.*supports --target-weights fp32 only"):
+        build_engine(tmp_path / "trt", str(ckpt), "none", backend="tensorrt", target_weights="q4", **quiet)
+    with pytest.raises(ConfigError, match="onnxruntime fp32 engines"):
+        build_engine(tmp_path / "fp16", str(ckpt), "none", dtype="fp16", target_weights="int8", **quiet)
+    with pytest.raises(ConfigError, match="int8 runs with --target-compute int8.*q4 supports both"):
+        build_engine(tmp_path / "i8", str(ckpt), "none", target_weights="int8", target_compute="fp32", **quiet)
+    with pytest.raises(ConfigError, match="choose fp32, int8, q4"):
+        build_engine(tmp_path / "q3", str(ckpt), "none", target_weights="q3", **quiet)
+    odd = write_tiny_checkpoint(tmp_path / "odd", hidden_size=40, num_attention_heads=4, intermediate_size=64)
+    with pytest.raises(ConfigError, match="no weights that can be quantized.*hidden_size 40.*--target-weights fp32"):
+        build_engine(tmp_path / "odd-q4", str(odd), "none", target_weights="q4", **quiet)
+    assert not any(p.name.startswith((".trt", ".odd", "odd-q4")) for p in tmp_path.iterdir())
+    check_quantizable(load_target(odd).config, "fp32")  # fp32 takes any checkpoint
+
+
+def test_cli_refuses_q4_with_tensorrt(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("build_engine_cli", Path(__file__).parent.parent / "export" / "build_engine.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    assert cli.main(["--target", str(ckpt), "--drafter", "none", "--backend", "tensorrt", "--target-weights", "q4",
+                     "--output", str(tmp_path / "e")]) == 2
+    assert "--target-weights q4 is for onnxruntime fp32 engines" in capsys.readouterr().err
+
+
+# -- decoding on quantized engines ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Tiny quantized engines: q4 on a tied-embedding checkpoint (as the demo), int8 on an untied one."""
+    root = tmp_path_factory.mktemp("quantized")
+    ckpts = {"q4": write_tiny_checkpoint(root / "tied", tie_word_embeddings=True, seed=4),
+             "int8": write_tiny_checkpoint(root / "untied", seed=5)}
+    out = {}
+    for weights, compute, method in ENGINES + [("q4", "int8", "none"), ("q4", "fp32", "none")]:
+        target = load_target(ckpts[weights])
+        heads = "none"
+        if method != "none":
+            heads = root / f"{weights}-{method}-heads"
+            save_drafter(make_drafter(target, method=method, num_heads=3), heads)
+        engine = build_engine(root / f"{weights}-{compute}-{method}", str(ckpts[weights]), str(heads), max_seq=256,
+                              target_weights=weights, target_compute=compute, **quiet)
+        out[weights, compute, method] = engine
+    stored = {w: quantize_target(load_target(ckpts[w]), w) for w in ckpts}  # what the builds stored (deterministic)
+    return out, {w: (dequantised_target(ckpts[w], stored[w]), stored[w]) for w in ckpts}
+
+
+def _decode(engine, method, prompts, tree=None, lengths=None, max_batch=8):
+    decoder = SpeculativeDecoder(engine, method, tree, max_batch_size=max_batch)
+    lengths = lengths or [MAX_NEW] * len(prompts)
+    return [r.token_ids for r in decoder.generate([GenerationRequest(p, max_new_tokens=n, stop_token_ids=())
+                                                   for p, n in zip(prompts, lengths)])]
+
+
+def _fake_quantized(x: torch.Tensor, block: int) -> torch.Tensor:
+    """int8 activations as MatMulNBits' accuracy_level 4 makes them: per block of the weight's block size along
+    the inputs, symmetric, scale max|x| / 127, rounded to nearest."""
+    blocks = x.reshape(*x.shape[:-1], -1, block)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
+    return (q * scale).reshape(x.shape)
+
+
+def _int8_compute_reference(reference_target, weights: dict):
+    """transformers' model of ``reference_target`` (the weights dequantised) with each quantized linear's input
+    quantized to int8 as above: what int8 compute means (docs/quantized-target.md#compute). A Q4_1 weight
+    ``d*(q - 8) + (m + 8d)``: the 4-bit part sees the int8 activations, the per-block constant ``m + 8d`` their
+    fp32 block sums (read from the block's own fp16 ``d`` and ``m``)."""
+    from tests.helpers import _hf_from_target
+
+    model = _hf_from_target(reference_target, torch.float32).eval()
+
+    def hook_for(stored):
+        weight = torch.from_numpy(stored.dequantize())  # [N, K]
+        offset, block = None, 32  # Q4_1 and Q8_0 blocks; int8 channels: the largest of INT8_BLOCK_SIZES dividing K
+        if stored.format == "int8_channel":
+            block = next(size for size in INT8_BLOCK_SIZES if stored.shape[1] % size == 0)
+        if stored.format == "q4_1":
+            blocks = stored.data.reshape(stored.shape[0], -1, 20)
+            d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+            m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+            offset = m + 8 * d  # [N, K/32]
+            weight = weight - offset.repeat_interleave(32, dim=1)
+
+        def hook(module, inputs, output):
+            x = inputs[0]
+            y = _fake_quantized(x, block) @ weight.T
+            if offset is not None:
+                y = y + x.reshape(*x.shape[:-1], -1, 32).sum(-1) @ offset.T
+            return y + module.bias if module.bias is not None else y
+        return hook
+
+    for name, module in model.named_modules():
+        key = f"{name.removeprefix('model.')}.weight"
+        if isinstance(module, torch.nn.Linear) and key in weights:
+            module.register_forward_hook(hook_for(weights[key]))
+    return model
+
+
+@torch.inference_mode()
+def _reference_greedy_and_logits(model, prompt, tokens_or_none, max_new):
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                         num_beams=1, pad_token_id=0, eos_token_id=None)[0, ids.shape[1]:].tolist()
+    tokens = tokens_or_none if tokens_or_none is not None else out
+    full = torch.tensor([list(prompt) + list(tokens)])
+    logits = model(full, attention_mask=torch.ones_like(full)).logits[0, len(prompt) - 1: -1].float()
+    return out, logits
+
+
+NEAR_TIE = 1e-3  # logit gap under which float rounding may flip an argmax (docs/trees.md#floating-point-and-near-ties)
+
+
+def _assert_decodes_the_reference(reference, weights, compute, prompts, outputs) -> None:
+    """fp32 compute: transformers over the dequantised weights, token for token. int8 compute: the same with the
+    activations quantized as the kernel does; each token is its argmax, or within NEAR_TIE of it (teacher
+    forcing), and most outputs are identical."""
+    if compute == "fp32":
+        assert outputs == hf_greedy(reference, prompts, MAX_NEW)
+        return
+    model = _int8_compute_reference(reference, weights)
+    identical = 0
+    for prompt, tokens in zip(prompts, outputs):
+        expected, logits = _reference_greedy_and_logits(model, prompt, tokens, MAX_NEW)
+        chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert float((logits.max(-1).values - chosen).max()) < NEAR_TIE
+        identical += expected == tokens
+    assert identical >= (len(prompts) + 1) // 2
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("key", ENGINES)
+def test_random_heads_equal_own_vanilla_and_the_reference(built, key, batch):
+    engines, refs = built
+    weights, compute, method = key
+    engine = OnnxRuntimeEngine(engines[key])
+    prompts = random_prompts(10 + batch, batch, engine.spec.vocab_size, 2, 20)
+    vanilla = vanilla_greedy(engine, prompts, MAX_NEW)
+    speculative = _decode(engine, method, prompts, TreeConfig(budget=6, adaptive=False, proposer="none"))
+    assert speculative == vanilla
+    _assert_decodes_the_reference(*refs[weights], compute, prompts, vanilla)
+
+
+@pytest.mark.parametrize("compute", ["fp32", "int8"])
+def test_requests_joining_mid_run_equal_own_vanilla(built, compute):
+    """A max batch of 2 for 5 requests of different lengths: requests join while others run, and leave."""
+    engines, _ = built
+    engine = OnnxRuntimeEngine(engines["q4", compute, "clover"])
+    prompts = random_prompts(21, 5, engine.spec.vocab_size, 1, 25)
+    lengths = [4, 24, 9, 1, 16]
+    vanilla = [vanilla_greedy(engine, [p], n)[0] for p, n in zip(prompts, lengths)]
+    tree = TreeConfig(budget=4, adaptive=False, proposer="none")
+    assert _decode(engine, "clover", prompts, tree, lengths, max_batch=2) == vanilla
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("compute", ["fp32", "int8"])
+def test_oracle_heads_accept_everything_on_a_quantized_engine(built, compute, batch):
+    engines, _ = built
+    inner = OnnxRuntimeEngine(engines["q4", compute, "none"])
+    prompts = random_prompts(30 + batch, batch, inner.spec.vocab_size, 3, 12)
+    expected = vanilla_greedy(inner, prompts, MAX_NEW)
+    oracle = OracleEngine(inner, prompts, expected, num_heads=3)
+    decoder = SpeculativeDecoder(oracle, "clover", TreeConfig(budget=5, adaptive=False, proposer="none"))
+    results = decoder.generate([GenerationRequest(p, max_new_tokens=MAX_NEW, stop_token_ids=()) for p in prompts])
+    assert [r.token_ids for r in results] == expected
+    for r in results:
+        assert r.stats.accepted_per_step[:-1] == [3] * (len(r.stats.accepted_per_step) - 1)
+
+
+def test_engine_json_records_the_target_quantization(built):
+    engines, _ = built
+    meta = json.loads((engines["q4", "int8", "clover"] / "engine.json").read_text())
+    quant = meta["target_quantization"]
+    assert quant["weights"] == "q4" and quant["compute"] == "int8" and quant["accuracy_level"] == 4
+    assert quant["formats"] == ["q4_1", "q8_0"] and quant["lm_head"] == "q8_0" and quant["quantized_linears"] == 15
+    assert quant["source"].startswith("quantized per block")
+    meta = json.loads((engines["q4", "fp32", "clover"] / "engine.json").read_text())
+    assert meta["target_quantization"]["lm_head"] == "fp32"
+    import onnx
+
+    graph = onnx.load(str(engines["q4", "int8", "clover"] / "target.onnx"), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert len(nodes) == 2 * 4 + 1  # per layer: q/k/v, o, gate/up, down; the LM head
+    assert {a.i for n in nodes for a in n.attribute if a.name == "accuracy_level"} == {4}
