@@ -68,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-compute", choices=["fp32", "int8"], default=None,
                    help="activations in the quantized target's MatMuls: int8 (MatMulNBits accuracy_level 4, "
                         "quantized per block of 32, faster) or fp32 (accuracy_level 1; q4 only). Default: int8")
+    p.add_argument("--proposer", choices=["suffix", "none"], default=None,
+                   help="model-free tree candidates the engine decodes with by default (engine.json tree_defaults; "
+                        "clover generate --proposer and the serving parameter override it); default: suffix "
+                        "(docs/trees.md#model-free-candidates)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
     p.add_argument("--recalibrate", action="store_true",
                    help="only measure and store a new cost model in the existing engine --output (cost models "
@@ -99,7 +103,7 @@ def main(argv=None) -> int:
                      draft_int8=default_draft_int8(args.backend, args.dtype) if args.draft_int8 is None
                      else args.draft_int8, draft_vocab=args.draft_vocab,
                      target_weights=args.target_weights or default_target_weights(args.target, args.backend, args.dtype),
-                     target_compute=args.target_compute)
+                     target_compute=args.target_compute, proposer=args.proposer)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"build_engine: error: {exc}", file=sys.stderr)
         return 2

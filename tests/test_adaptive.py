@@ -362,9 +362,11 @@ def test_the_decode_loop_reports_every_step_time_to_the_chooser(monkeypatch):
     for step_timing in (True, False):
         seen = []
         monkeypatch.setattr(AdaptiveBudget, "observe_time",
-                            lambda self, batch, budget, seconds, tokens: seen.append((batch, budget, seconds, tokens)))
-        decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4, adaptive=True), cost_model=ROOFLINE,
-                                     step_timing=step_timing)
+                            lambda self, batch, budget, seconds, tokens, tree_tokens=None:
+                            seen.append((batch, budget, seconds, tokens)))
+        # the heads alone: with suffix candidates a step may accept more than its heads' budget allows
+        decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4, adaptive=True, proposer="none"),
+                                     cost_model=ROOFLINE, step_timing=step_timing)
         results = decoder.generate([GenerationRequest(p, max_new_tokens=12, stop_token_ids=()) for p in prompts])
         assert [r.token_ids for r in results] == hf_greedy(target, prompts, 12)
         if step_timing:

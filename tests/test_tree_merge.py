@@ -125,3 +125,10 @@ def test_node_threshold_is_where_one_more_node_pays():
 def test_bad_proposer_settings_are_refused(bad):
     with pytest.raises(ConfigError, match="proposer"):
         TreeConfig(**bad)
+
+
+def test_build_engine_refuses_an_unknown_proposer_before_building(tmp_path):
+    from clover.export.builder import BuildOptions
+
+    with pytest.raises(ConfigError, match="unknown proposer 'ngram'"):
+        BuildOptions(proposer="ngram").validated()

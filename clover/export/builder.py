@@ -50,6 +50,7 @@ class BuildOptions:
     draft_vocab: int | None = None
     target_weights: str = "fp32"
     target_compute: str | None = None
+    proposer: str | None = None  # engine.json tree_defaults.proposer (None: suffix for dynamic trees)
 
     def validated(self) -> "BuildOptions":
         """These options with the attention default filled in; ConfigError for an impossible combination."""
@@ -59,6 +60,7 @@ class BuildOptions:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose {', '.join(TORCH_DTYPES)}")
         if self.draft_int8 and (self.backend != "onnxruntime" or self.dtype != "fp32"):
             raise ConfigError("draft_int8 (int8 draft-step weights) is for onnxruntime fp32 engines")
+        TreeConfig(proposer=self.proposer)  # ConfigError for an unknown proposer, before anything is built
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise ConfigError(f"draft_vocab must be >= 0 (0: the full vocabulary), not {self.draft_vocab}")
         attention = self.attention or ("plugin" if self.backend == "tensorrt" else "standard")
@@ -275,7 +277,7 @@ def _engine_meta(models: _LoadedModels, options: BuildOptions, files: dict, tens
         target_config=model.config,
         target_fingerprint=target_fingerprint(model.to(torch.float32)),
         drafter_config=heads.config if heads is not None else None,
-        draft_top_k=options.draft_top_k, draft_quantization=quantization, tree_defaults=TreeConfig(),
+        draft_top_k=options.draft_top_k, draft_quantization=quantization, tree_defaults=TreeConfig(proposer=options.proposer),
         target_quantization=target_quantization,
         source={"target": str(models.target_dir), "drafter": models.drafter_source,
                 "drafter_sha256": heads_digest(models.drafter_source)},
