@@ -16,6 +16,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 PROPOSERS = ("suffix", "none")  # model-free tree candidates (TreeConfig.proposer)
 DRAFTER_METHODS = ("clover", "clover2", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment")
+TOKEN_PATHS = ("residual", "normed", "scaled", "concat")  # DrafterConfig.token_path (issue 28)
 
 
 class ConfigError(ValueError):
@@ -181,6 +182,12 @@ class DrafterConfig(JsonMixin):
     # FR-Spec draft vocabulary (docs/drafter.md#draft-vocabulary): the heads score only the first
     # draft_vocab_size ids of draft_vocab.safetensors (most frequent first); 0 scores the full vocabulary
     draft_vocab_size: int = 0
+    # How the regressive connection mixes the given token into the state (issue 28; docs/drafter.md#token-path):
+    # "residual" (the paper's, and every head saved before the field existed): h + gate * Wv e, e unit-norm, in
+    # the raw residual stream; "normed": the same update on the RMS-normalised state with e at RMS 1 (the stream
+    # stays normalised); "scaled": "residual" with e times a learned scalar (initialised from the data to the
+    # median norm of h0); "concat": EAGLE-style FC([norm(h); e]) with e at RMS 1, no gate
+    token_path: str = "residual"
 
     def __post_init__(self) -> None:
         if self.method not in DRAFTER_METHODS:
@@ -191,6 +198,11 @@ class DrafterConfig(JsonMixin):
             raise ConfigError("hidden_size must be a multiple of num_attention_heads")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} is not in [0, vocab_size {self.vocab_size}]")
+        if self.token_path not in TOKEN_PATHS:
+            raise ConfigError(f"unknown token path {self.token_path!r}; choose one of {', '.join(TOKEN_PATHS)}")
+        if self.token_path != "residual" and self.method not in ("clover", "clover-no-augment"):
+            raise ConfigError(f"token path {self.token_path!r} needs the Attention Decoder (method clover or "
+                              f"clover-no-augment), not {self.method!r}")
 
     @property
     def has_augmenting_block(self) -> bool:
@@ -205,7 +217,20 @@ class DrafterConfig(JsonMixin):
     @property
     def regressive(self) -> str | None:
         """``attention``, ``mlp`` or None (no regressive connection)."""
+        if self.token_path == "concat":
+            return "concat"
         return {"clover-mlp-regressive": "mlp", "clover-no-regressive": None, "medusa": None}.get(self.method, "attention")
+
+    @property
+    def normalizes_state(self) -> bool:
+        """The regressive step RMS-normalises ``h_{i-1}`` before mixing in the token (``normed``, ``concat``)."""
+        return self.token_path in ("normed", "concat")
+
+    @property
+    def token_embedding_scale(self) -> str:
+        """How the token's unit-norm embedding is scaled: ``unit`` (as is), ``rms`` (times sqrt(H): RMS 1, the
+        normalised stream's scale) or ``learned`` (times a trained scalar)."""
+        return {"residual": "unit", "scaled": "learned"}.get(self.token_path, "rms")
 
 
 @dataclasses.dataclass

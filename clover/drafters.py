@@ -43,15 +43,22 @@ class AttentionDecoder(nn.Module):
     a softmax would be identically 1, so the per-head weight is the cosine
     similarity of q and k (as in the public Clover-2 code): q and k get gradients.
     Init: Wq = Wk = I + noise, Wv = 0, so ``h_i = h_{i-1}`` at the start.
+
+    Token paths (``DrafterConfig.token_path``, docs/drafter.md#token-path): ``normalize_input`` first
+    RMS-normalises ``h_{i-1}`` (``input_norm``, weights ones), so the residual lives in the normalised space;
+    ``learned_token_scale`` multiplies the embedding by a trained scalar (``token_scale``).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, eps: float, normalize_input: bool = False,
+                 learned_token_scale: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.norm = RMSNorm(hidden_size, eps)
         self.q_proj = nn.Linear(hidden_size, hidden_size, bias=False)
         self.k_proj = nn.Linear(hidden_size, hidden_size, bias=False)
         self.v_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.input_norm = RMSNorm(hidden_size, eps) if normalize_input else None
+        self.token_scale = nn.Parameter(torch.ones(())) if learned_token_scale else None
 
     def reset_parameters(self, noise_std: float) -> None:
         size = self.q_proj.weight.shape[0]
@@ -59,9 +66,15 @@ class AttentionDecoder(nn.Module):
             for proj in (self.q_proj, self.k_proj):
                 proj.weight.copy_(torch.eye(size) + noise_std * torch.randn(size, size))
             self.v_proj.weight.zero_()
+            if self.input_norm is not None:
+                self.input_norm.weight.fill_(1.0)
 
     def forward(self, hidden: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
         """hidden, token_embedding ``[N, H]`` -> ``[N, H]``."""
+        if self.input_norm is not None:
+            hidden = self.input_norm(hidden)
+        if self.token_scale is not None:
+            token_embedding = token_embedding * self.token_scale
         n, size = hidden.shape
         split = (n, self.num_heads, size // self.num_heads)
         q = self.q_proj(self.norm(hidden)).view(split)
@@ -90,6 +103,30 @@ class MLPRegressive(nn.Module):
         return hidden + self.down(nn.functional.silu(self.up(x)))
 
 
+class ConcatRegressive(nn.Module):
+    """EAGLE-style token path: ``h_i = FC([norm(h_{i-1}); e_{i-1}])`` (``token_path`` ``concat``).
+
+    ``norm`` (``input_norm``) starts at ones and FC at ``[I, 0]``, so ``h_i = norm(h_{i-1})`` at the start:
+    the same first logits as the other paths (``head_norm`` follows the heads).
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(hidden_size, eps)
+        self.fc = nn.Linear(2 * hidden_size, hidden_size)
+
+    def reset_parameters(self, noise_std: float) -> None:
+        size = self.fc.weight.shape[0]
+        with torch.no_grad():
+            self.input_norm.weight.fill_(1.0)
+            self.fc.weight.zero_()
+            self.fc.weight[:, :size].copy_(torch.eye(size))  # exact: no symmetry to break in one linear map
+            self.fc.bias.zero_()
+
+    def forward(self, hidden: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.input_norm(hidden), token_embedding], dim=-1))
+
+
 class Drafter(nn.Module):
     """Draft heads for one target.
 
@@ -107,7 +144,10 @@ class Drafter(nn.Module):
         hidden, eps = config.hidden_size, target_config.rms_norm_eps
         self.augment = DecoderLayer(target_config) if config.has_augmenting_block else None
         if config.regressive == "attention":
-            self.regressive = AttentionDecoder(hidden, config.num_attention_heads, eps)
+            self.regressive = AttentionDecoder(hidden, config.num_attention_heads, eps, config.normalizes_state,
+                                               config.token_embedding_scale == "learned")
+        elif config.regressive == "concat":
+            self.regressive = ConcatRegressive(hidden, eps)
         elif config.regressive == "mlp":
             self.regressive = MLPRegressive(hidden, eps)
         else:
@@ -149,13 +189,16 @@ class Drafter(nn.Module):
                 drafter.augment.load_state_dict(target.layers[-1].state_dict())
             drafter.head_norm.weight.copy_(target.norm.weight)
             if drafter.regressive is not None:
-                drafter.regressive.norm.weight.copy_(target.norm.weight)
+                if hasattr(drafter.regressive, "norm"):
+                    drafter.regressive.norm.weight.copy_(target.norm.weight)
                 drafter.regressive.reset_parameters(config.init_noise_std)
         return drafter
 
     def embed(self, token: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Regressive embedding ``normalize(W_lm[token])``: token ``[N]`` -> ``[N, H]``."""
-        return nn.functional.normalize(lm_head_weight[token], dim=-1)
+        """Regressive embedding ``normalize(W_lm[token])``: token ``[N]`` -> ``[N, H]``; times sqrt(H) (RMS 1)
+        for the token paths that mix it into a normalised state (``DrafterConfig.token_embedding_scale``)."""
+        unit = nn.functional.normalize(lm_head_weight[token], dim=-1)
+        return unit * self.config.hidden_size ** 0.5 if self.config.token_embedding_scale == "rms" else unit
 
     def step(self, hidden, token, head, lm_head_weight, output_weight=None):
         """One regressive draft step for N nodes.
@@ -338,6 +381,17 @@ class Clover2Drafter(nn.Module):
                 next_hidden = torch.where(first, hidden, next_hidden)
         scored = lm_head_weight if output_weight is None else output_weight  # [V or V', H]: a draft vocabulary's rows
         return next_hidden, feature, self.head_norm(feature) @ scored.T
+
+
+def calibrate_token_scale(drafter: nn.Module, h0: torch.Tensor) -> float | None:
+    """Initialise a learned token scale (``token_path`` ``scaled``) to the median norm of root states ``h0``
+    ``[N, H]``, so the unit-norm embedding enters at the state's own scale; returns it (None: no such scale)."""
+    scale = getattr(getattr(drafter, "regressive", None), "token_scale", None)
+    if scale is None:
+        return None
+    with torch.no_grad():
+        scale.fill_(float(h0.float().norm(dim=-1).median()))
+    return float(scale.detach())
 
 
 def new_drafter_config(method: str, num_heads: int, target: LlamaTarget, **fields) -> DrafterConfig:

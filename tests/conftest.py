@@ -34,11 +34,12 @@ def make_target(seed: int = 0, **overrides) -> LlamaTarget:
 
 
 def make_drafter(target: LlamaTarget, method: str = "clover", num_heads: int = 3, seed: int = 1,
-                 randomize: bool = True) -> Drafter:
+                 randomize: bool = True, token_path: str = "residual") -> Drafter:
     """A drafter on ``target``; ``randomize`` replaces the identity init by random weights (a useless drafter)."""
     cfg = target.config
     config = DrafterConfig(method=method, num_heads=num_heads, hidden_size=cfg.hidden_size,
-                           vocab_size=cfg.vocab_size, target_num_layers=cfg.num_layers, num_attention_heads=2)
+                           vocab_size=cfg.vocab_size, target_num_layers=cfg.num_layers, num_attention_heads=2,
+                           token_path=token_path)
     drafter = Drafter.from_target(config, target, seed=seed)
     if randomize:
         gen = torch.Generator().manual_seed(seed)

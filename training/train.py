@@ -73,9 +73,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clover.attention import causal_packed_mask  # noqa: E402
-from clover.config import DRAFTER_METHODS, ConfigError, DrafterConfig  # noqa: E402
-from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, draft_vocab_of, load_drafter,  # noqa: E402
-                             read_draft_vocab, save_drafter, set_draft_vocab)
+from clover.config import DRAFTER_METHODS, TOKEN_PATHS, ConfigError, DrafterConfig  # noqa: E402
+from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, calibrate_token_scale, draft_vocab_of,  # noqa: E402
+                             load_drafter, read_draft_vocab, save_drafter, set_draft_vocab)
 from training.distributed import Distributed  # noqa: E402
 from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,  # noqa: E402
                                online_target_dtype, peak_memory_mb, stored_dtype)
@@ -129,6 +129,7 @@ class TrainConfig:
     draft_vocab: str | None = None        # heads directory whose draft_vocab.safetensors the heads score (FR-Spec)
     draft_vocab_size: int = 16384         # V': that many most frequent ids of it
     init: str | None = None               # heads directory to start from (fine-tuning) instead of a fresh init
+    token_path: str = "residual"          # how the regressive step mixes in its token (DrafterConfig.token_path)
 
     # fields that may differ between a run and its resumption (none changes the weights beyond float rounding)
     RESUME_FREE = ("save_every", "log_every", "device", "threads", "progress", "output", "cache", "target",
@@ -146,6 +147,8 @@ class TrainConfig:
             del key["draft_vocab"], key["draft_vocab_size"]
         if self.init is None:  # likewise for runs from before --init
             del key["init"]
+        if self.token_path == "residual":  # likewise for runs from before --token-path
+            del key["token_path"]
         return key
 
 
@@ -545,7 +548,7 @@ def build_drafter(cfg: TrainConfig, target) -> Drafter:
     config = DrafterConfig(method=cfg.method, num_heads=cfg.num_heads, hidden_size=tc.hidden_size,
                            vocab_size=tc.vocab_size, target_num_layers=tc.num_layers,
                            num_attention_heads=decoder_heads, init_noise_std=cfg.init_noise_std,
-                           target_architecture=tc.architecture)
+                           target_architecture=tc.architecture, token_path=cfg.token_path)
     drafter = Drafter.from_target(config, target, seed=cfg.seed).float()
     if cfg.init:
         _load_init_weights(drafter, cfg.init, target)
@@ -719,6 +722,8 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
 
     plan = make_plan(cache.conversations, cfg.batch_tokens, cfg.epochs, cfg.seed, cfg.bucket_size, cfg.max_tokens)
     trainer = _Trainer(cfg, target, device, dist)
+    if cfg.token_path == "scaled" and not cfg.init:  # the learned token scale starts at the data's root-state norm
+        calibrate_token_scale(trainer.drafter, _root_state_sample(cache))
     progress = trainer.load_state(out / STATE_FILE)
     if dist.is_main:
         _drop_log_lines_after(out / LOG_FILE, progress.step)
@@ -732,6 +737,17 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
         summary = _summary(cfg, cache, plan, progress, device, out / LOG_FILE, dist.world_size)
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return dist.broadcast(summary)
+
+
+def _root_state_sample(cache, conversations: int = 8) -> torch.Tensor:
+    """The target's last hidden states ``[N, H]`` at the answer positions of the first conversations: the
+    root states h0 at initialisation (the Augmenting Block starts as a copy of the last layer)."""
+    states = []
+    for i in range(min(conversations, len(cache.conversations))):
+        conv = cache.conversation(i)
+        mask = np.asarray(conv["assistant_mask"], dtype=bool)
+        states.append(torch.from_numpy(np.array(conv["last_hidden"], dtype=np.float32)[mask]))
+    return torch.cat(states)
 
 
 def _claim_output_on_main(cfg: TrainConfig, out: Path, dist: Distributed) -> dict | None:
@@ -978,6 +994,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                              "clover/assets/smollm2-135m-instruct/clover) instead of a fresh initialisation: "
                              "fine-tuning on new data. Same method and number of heads; the run's own "
                              "--draft-vocab applies. Default: a fresh initialisation")
+    parser.add_argument("--token-path", choices=TOKEN_PATHS, default="residual",
+                        help="how the regressive step mixes its given token into the state (docs/drafter.md#token-"
+                             "path): residual (the paper's: h + gate * Wv e, e unit-norm), normed (the same on the "
+                             "RMS-normalised state, e at RMS 1), scaled (residual with e times a learned scalar "
+                             "initialised to the median root-state norm), concat (EAGLE-style FC([norm(h); e]))")
     parser.add_argument("--no-progress", action="store_true")
     if known.config:
         defaults = json.loads(Path(known.config).read_text())

@@ -443,7 +443,7 @@ def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: 
     """Write ``draft_step.onnx``: one regressive step with the top-k inside."""
     if drafter.config.has_draft_prefill:
         return export_clover2_draft_step(target, drafter, path, top_k, dtype)
-    cfg, dcfg = target.config, drafter.config
+    cfg = target.config
     g = GraphWriter(Path(str(path) + ".data"), dtype)
     inputs, outputs = _draft_step_io(g, cfg.hidden_size, top_k)
     vocab = draft_vocab_of(drafter)  # [V'] target ids of a draft vocabulary, or None
@@ -466,20 +466,38 @@ def export_draft_step(target: LlamaTarget, drafter: Drafter, path: Path, top_k: 
         if drafter.regressive is None:
             next_hidden = hidden
         else:
-            row = g.op("Gather", lm_head, "token", axis=0)
-            emb = g.op("Div", row, _clamped_l2_length(g, row, 1e-12))
-            reg = drafter.regressive
-            normed = g.rms_norm(hidden, reg.norm, "regressive.norm")
-            if dcfg.regressive == "attention":
-                update = _cosine_gate(g, normed, emb, reg, "regressive", dcfg.num_attention_heads, cfg.hidden_size,
-                                      1e-6)
-            else:
-                up = g.linear(g.op("Concat", normed, emb, axis=-1), reg.up, "regressive.up")
-                update = g.linear(g.silu(up), reg.down, "regressive.down")
-            next_hidden = g.op("Add", hidden, update)
+            next_hidden = _regressive_step(g, drafter, hidden, _token_embedding(g, drafter, lm_head))
         g.op("Identity", next_hidden, outputs=["next_hidden"])
         logits = g.op("MatMul", g.rms_norm(res_block(next_hidden), drafter.head_norm, "head_norm"), lm_head_t)
     return _save_draft_step(g, logits, top_k, vocab, "clover_draft_step", inputs, outputs, path)
+
+
+def _token_embedding(g: GraphWriter, drafter: Drafter, lm_head: str) -> str:
+    """:meth:`clover.drafters.Drafter.embed`: the token's LM-head row, unit-norm, scaled as its token path says."""
+    row = g.op("Gather", lm_head, "token", axis=0)
+    emb = g.op("Div", row, _clamped_l2_length(g, row, 1e-12))
+    scale = drafter.config.token_embedding_scale
+    if scale == "rms":
+        return g.op("Mul", emb, g.const(drafter.config.hidden_size ** 0.5, g.np_dtype))
+    if scale == "learned":  # the Attention Decoder's token_scale, a trained scalar
+        return g.op("Mul", emb, g.weight("regressive.token_scale", drafter.regressive.token_scale.detach()))
+    return emb
+
+
+def _regressive_step(g: GraphWriter, drafter: Drafter, hidden: str, emb: str) -> str:
+    """``h_i`` from ``h_{i-1}`` and the token embedding: the drafter's ``regressive`` module (docs/drafter.md)."""
+    dcfg, reg = drafter.config, drafter.regressive
+    if dcfg.normalizes_state:
+        hidden = g.rms_norm(hidden, reg.input_norm, "regressive.input_norm")
+    if dcfg.regressive == "concat":
+        return g.linear(g.op("Concat", hidden, emb, axis=-1), reg.fc, "regressive.fc")
+    normed = g.rms_norm(hidden, reg.norm, "regressive.norm")
+    if dcfg.regressive == "attention":
+        update = _cosine_gate(g, normed, emb, reg, "regressive", dcfg.num_attention_heads, dcfg.hidden_size, 1e-6)
+    else:
+        up = g.linear(g.op("Concat", normed, emb, axis=-1), reg.up, "regressive.up")
+        update = g.linear(g.silu(up), reg.down, "regressive.down")
+    return g.op("Add", hidden, update)
 
 
 def _save_draft_step(g: GraphWriter, logits: str, top_k: int, vocab, name: str, inputs, outputs, path) -> dict:

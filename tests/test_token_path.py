@@ -1,0 +1,252 @@
+"""Token paths of the regressive step (DrafterConfig.token_path, issue 28; docs/drafter.md#token-path).
+
+Every path: a head's output depends on the token it is given; teacher-forced training equals the decode loop's
+draft_step calls; decoding with random heads is lossless on torch and through onnxruntime; the exported draft step
+computes the torch step. Heads saved before the field existed still load and decode as before.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from clover.attention import causal_packed_mask
+from clover.backends.onnxruntime import OnnxRuntimeEngine
+from clover.backends.torch import TorchEngine
+from clover.config import TOKEN_PATHS, ConfigError, DrafterConfig, TreeConfig
+from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.demo import SHIPPED_HEADS_DIR
+from clover.drafters import calibrate_token_scale, load_drafter, save_drafter
+from clover.export.builder import build_engine
+from clover.target import load_target
+from tests.conftest import make_drafter, make_target, write_tiny_checkpoint
+from tests.helpers import hf_greedy, random_prompts
+from training import train as train_mod
+from training.hidden_cache import target_hidden_states
+
+MAX_NEW = 20
+NEW_PATHS = [p for p in TOKEN_PATHS if p != "residual"]
+
+
+def _generate(engine, prompts, budget=6):
+    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=budget, adaptive=False, proposer="none"))
+    return [r.token_ids for r in decoder.generate([GenerationRequest(p, max_new_tokens=MAX_NEW, stop_token_ids=())
+                                                   for p in prompts])]
+
+
+def _batch(target, ids: list[int], num_prompt: int) -> train_mod.Batch:
+    with torch.no_grad():
+        last_input, last_hidden = target_hidden_states(target, torch.tensor([ids]))
+    return train_mod.Batch(last_input, last_hidden, torch.tensor([ids]), torch.arange(len(ids))[None] >= num_prompt,
+                           torch.tensor([len(ids)]), [""])
+
+
+def _root_states(target, drafter, seed: int = 0):
+    """h0 at every answer root of a random conversation (the target's own scale), its roots and the drafter."""
+    ids = random_prompts(seed, 1, target.config.vocab_size, 40, 40)[0]
+    batch = _batch(target, ids, 8)
+    roots = train_mod.find_roots(batch, drafter.config.num_heads)
+    with torch.no_grad():
+        h0 = train_mod.compute_h0(drafter, target, batch)[roots.b, roots.t]
+    return h0, roots
+
+
+def _token_sensitivity(drafter, target, h0, tokens, head) -> float:
+    """Share of states whose top-1 changes when the given token is replaced by another one."""
+    other = (tokens + 1 + torch.arange(len(tokens)) % 7) % target.config.vocab_size
+    with torch.no_grad():
+        _, a = drafter.step(h0, tokens, head, target.lm_head.weight)
+        _, b = drafter.step(h0, other, head, target.lm_head.weight)
+    return float((a.argmax(-1) != b.argmax(-1)).float().mean())
+
+
+def _cut_token_path(drafter) -> None:
+    """Scale the token's contribution to nothing (what the test must catch)."""
+    reg = drafter.regressive
+    with torch.no_grad():
+        if drafter.config.regressive == "concat":
+            reg.fc.weight[:, drafter.config.hidden_size:].zero_()
+        else:
+            reg.v_proj.weight.zero_()
+
+
+@pytest.mark.parametrize("token_path", TOKEN_PATHS)
+def test_a_heads_output_depends_on_its_given_token(token_path):
+    target = make_target(seed=2)
+    drafter = make_drafter(target, token_path=token_path, seed=3)  # trained-like: every weight non-zero
+    h0, roots = _root_states(target, drafter)
+    if token_path == "scaled":
+        calibrate_token_scale(drafter, h0)
+    if token_path == "residual":  # its unit-norm token needs a Wv at the stream's scale (random 0.2 drowns it)
+        with torch.no_grad():
+            drafter.regressive.v_proj.weight.mul_(h0.norm(dim=-1).median())
+    h = h0
+    for head in range(drafter.config.num_heads):
+        assert _token_sensitivity(drafter, target, h, roots.tok_in[:, head], head) > 0.2, (token_path, head)
+        with torch.no_grad():
+            h, _ = drafter.step(h, roots.tok_in[:, head], head, target.lm_head.weight)
+    _cut_token_path(drafter)
+    assert _token_sensitivity(drafter, target, h0, roots.tok_in[:, 0], 0) == 0.0  # the measure sees a cut path
+
+
+def test_the_token_paths_start_where_the_residual_path_starts():
+    """At initialisation every path drafts the target's own next-token logits from h0 (equal starting points)."""
+    target = make_target(seed=4)
+    base = make_drafter(target, randomize=False)
+    h0, roots = _root_states(target, base)
+    _, want = base.step(h0, roots.tok_in[:, 0], 0, target.lm_head.weight)
+    for token_path in NEW_PATHS:
+        drafter = make_drafter(target, token_path=token_path, randomize=False)
+        calibrate_token_scale(drafter, h0)
+        _, got = drafter.step(h0, roots.tok_in[:, 0], 0, target.lm_head.weight)
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), token_path
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("token_path", NEW_PATHS)
+def test_training_forward_equals_the_decode_loop(token_path):
+    target = make_target(seed=5)
+    drafter = make_drafter(target, token_path=token_path, seed=6)
+    engine = TorchEngine(target, drafter, max_seq_len=128, draft_top_k=5)
+    ids = random_prompts(5, 1, target.config.vocab_size, 30, 30)[0]
+    num_prompt, root = 10, 12
+    batch = _batch(target, ids, num_prompt)
+    roots = train_mod.find_roots(batch, 3)
+    row = int(((roots.b == 0) & (roots.t == root)).nonzero())
+    with torch.no_grad():
+        h0 = train_mod.compute_h0(drafter, target, batch)
+        chain = list(train_mod.head_logits(drafter, target.lm_head.weight, h0[roots.b, roots.t][row: row + 1],
+                                           roots.tok_in[row: row + 1], roots.valid[row: row + 1]))
+    assert [i for i, _, _ in chain] == [0, 1, 2]
+    spec = engine.spec
+    caches = [torch.zeros(1, spec.num_kv_heads, 0, spec.head_dim) for _ in range(spec.num_kv_layers)]
+    result = engine.target(torch.tensor([ids[: root + 1]]), torch.arange(root + 1)[None],
+                           torch.zeros(1, dtype=torch.int32), causal_packed_mask(1, root + 1), caches, caches)
+    hidden = result.h0[:, root]
+    for i, _, logits in chain:
+        draft = engine.draft_step(hidden, torch.tensor([ids[root + 1 + i]]), i)
+        train_top = torch.log_softmax(logits.float(), -1).topk(5)
+        torch.testing.assert_close(train_top.values, draft.topk_logprobs, atol=1e-4, rtol=1e-4)
+        assert train_top.indices.tolist() == draft.topk_ids.tolist()
+        hidden = draft.next_hidden
+
+
+@pytest.mark.parametrize("token_path", NEW_PATHS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_random_heads_of_every_token_path_equal_vanilla(token_path, batch):
+    target = make_target(seed=7)
+    engine = TorchEngine(target, make_drafter(target, token_path=token_path, seed=8), max_seq_len=128)
+    prompts = random_prompts(7 + batch, batch, target.config.vocab_size, 2, 16)
+    assert _generate(engine, prompts) == hf_greedy(target, prompts, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """An onnxruntime engine per new token path on a tiny llama checkpoint, with its torch twin."""
+    root = tmp_path_factory.mktemp("token-path")
+    checkpoint = write_tiny_checkpoint(root / "llama")
+    target = load_target(checkpoint)
+    built = {}
+    for token_path in NEW_PATHS:
+        heads = root / f"heads-{token_path}"
+        save_drafter(make_drafter(target, token_path=token_path, seed=9), heads)
+        engine_dir = build_engine(root / f"engine-{token_path}", str(checkpoint), str(heads), max_seq=128,
+                                  progress=lambda message: None)
+        built[token_path] = (OnnxRuntimeEngine(engine_dir),
+                             TorchEngine(target, load_drafter(heads, target), max_seq_len=128), target)
+    return built
+
+
+@pytest.mark.parametrize("token_path", NEW_PATHS)
+def test_exported_draft_step_computes_the_torch_step(engines, token_path):
+    ort_engine, torch_engine, _ = engines[token_path]
+    assert ort_engine.meta.drafter_config.token_path == token_path
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(7, torch_engine.spec.hidden_size, generator=gen) * 30  # a raw residual-stream scale
+    token = torch.randint(0, torch_engine.spec.vocab_size, (7,), generator=gen)
+    for head in range(3):
+        want, got = torch_engine.draft_step(hidden, token, head), ort_engine.draft_step(hidden, token, head)
+        torch.testing.assert_close(got.next_hidden, want.next_hidden, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.topk_logprobs, want.topk_logprobs, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.topk_ids, want.topk_ids)
+
+
+@pytest.mark.parametrize("token_path", NEW_PATHS)
+def test_decoding_through_onnxruntime_equals_vanilla(engines, token_path):
+    ort_engine, _, target = engines[token_path]
+    prompts = random_prompts(11, 3, target.config.vocab_size, 2, 16)
+    assert _generate(ort_engine, prompts) == hf_greedy(target, prompts, MAX_NEW)
+
+
+def test_heads_saved_before_token_paths_load_and_decode_unchanged(tmp_path):
+    target = make_target(seed=12)
+    drafter = make_drafter(target, seed=13)
+    save_drafter(drafter, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["token_path"]  # a config.json written before the field existed
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.config.token_path == "residual"
+    h0, roots = _root_states(target, loaded)
+    for head in range(3):
+        with torch.no_grad():
+            want = drafter.step(h0, roots.tok_in[:, head], head, target.lm_head.weight)
+            got = loaded.step(h0, roots.tok_in[:, head], head, target.lm_head.weight)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    prompts = random_prompts(12, 2, target.config.vocab_size, 2, 12)
+    assert _generate(TorchEngine(target, loaded, max_seq_len=128), prompts) == hf_greedy(target, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("method", ["clover", "medusa"])
+def test_the_shipped_heads_are_residual_heads_with_exactly_their_weights(method):
+    from safetensors import safe_open
+
+    from clover.config import TargetConfig
+    from clover.drafters import drafter_class
+
+    config = DrafterConfig.load(SHIPPED_HEADS_DIR / method / "config.json")
+    assert config.token_path == "residual"
+    target_config = TargetConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=8,
+                                 num_layers=config.target_num_layers, num_heads=9, num_kv_heads=3, head_dim=64)
+    drafter = drafter_class(config)(config, target_config)
+    with safe_open(str(SHIPPED_HEADS_DIR / method / "model.safetensors"), "pt") as f:
+        stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    if drafter.augment is not None:  # the tiny intermediate size above only shapes the MLP of the block
+        expected = {k: v for k, v in expected.items() if ".mlp." not in k}
+        stored = {k: v for k, v in stored.items() if ".mlp." not in k}
+    assert stored == expected
+
+
+def test_token_paths_need_the_attention_decoder():
+    with pytest.raises(ConfigError, match="token path"):
+        DrafterConfig(method="medusa", num_heads=3, hidden_size=32, vocab_size=97, target_num_layers=2,
+                      token_path="normed")
+    with pytest.raises(ConfigError, match="unknown token path"):
+        DrafterConfig(method="clover", num_heads=3, hidden_size=32, vocab_size=97, target_num_layers=2,
+                      token_path="sideways")
+
+
+@pytest.mark.parametrize("token_path", NEW_PATHS)
+def test_training_runs_each_token_path_and_saves_heads_that_decode(token_path, tmp_path):
+    from training.hidden_cache import build_cache
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
+    target = load_target(checkpoint)
+    prompts = random_prompts(3, 6, target.config.vocab_size, 4, 8)
+    answers = random_prompts(4, 6, target.config.vocab_size, 10, 16)
+    records = [{"id": f"r{i}", "category": "chat", "prompt_ids": p, "response_ids": a}
+               for i, (p, a) in enumerate(zip(prompts, answers))]
+    cache = build_cache(records, target, tmp_path / "cache", batch_tokens=256, progress=False)
+    cfg = train_mod.TrainConfig(method="clover", cache=str(cache), output=str(tmp_path / "run"), target=str(checkpoint),
+                                num_heads=3, decoder_heads=2, batch_tokens=64, lr=3e-3, progress=False, device="cpu",
+                                token_path=token_path, labels="soft")
+    train_mod.train(cfg, target)
+    heads = load_drafter(tmp_path / "run", target)
+    assert heads.config.token_path == token_path
+    if token_path == "scaled":  # calibrated to the data's root-state norm, not left at its placeholder 1
+        assert float(heads.regressive.token_scale) > 2.0
+    prompts = random_prompts(14, 2, target.config.vocab_size, 2, 12)
+    assert _generate(TorchEngine(target, heads.float(), max_seq_len=128), prompts) == hf_greedy(target, prompts, MAX_NEW)
