@@ -16,6 +16,11 @@ load hit all of them alike; the report gives the median and min–max):
   for 1..5).
 * ``hf``: transformers ``generate()`` at batch 1 (greedy, and prompt lookup)
   on the engine's target checkpoint, against vanilla and clover on the engine.
+* ``llamacpp`` (only when named in ``--sweeps``; optional extra ``llamacpp``):
+  llama.cpp on the demo GGUF at batch 1, greedy and with its prompt-lookup
+  decoding, on the same prompt token ids and ``--threads``, against vanilla and
+  the ``clover generate`` defaults on the engine, and vanilla on any
+  ``--vanilla-engine LABEL=DIR`` (e.g. the fp32 engine): docs/quantized-target.md.
 
 Outputs in ``--output``: ``bench.json`` (every sample), ``bench.md`` (tables,
 ratios against the issue's aims, the hardware, the command) and one PNG per
@@ -77,11 +82,13 @@ PROMPTS = [
     "Describe a peaceful morning in a small fishing village.",
 ]
 SWEEPS = ("batch", "budget", "heads", "hf", "triton")
+OPTIONAL_SWEEPS = ("llamacpp",)  # run only when named in --sweeps (llama-cpp-python is an optional extra)
 # what each sweep reports per configuration (median and min–max over repeats)
 METRICS = {"batch": ("tokens_per_s", "tokens_per_step", "target_ms", "draft_ms", "host_ms"),
            "budget": ("tokens_per_s", "tokens_per_step"),
            "heads": ("tokens_per_s", "tokens_per_step", "tree_depth"),
            "hf": ("tokens_per_s", "tokens_per_step"),
+           "llamacpp": ("tokens_per_s", "tokens_per_step", "target_ms", "draft_ms", "host_ms"),
            "triton": ("tokens_per_s", "tokens_per_step", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
 METRIC_TITLES = {"tokens_per_s": "tokens/s", "tokens_per_step": "tokens/step",
                  "tree_depth": "tree depth reached (mean deepest level per step)",
@@ -90,7 +97,7 @@ METRIC_TITLES = {"tokens_per_s": "tokens/s", "tokens_per_step": "tokens/step",
                  "ttft_p50_ms": "time to first token p50 (ms)", "ttft_p99_ms": "time to first token p99 (ms)",
                  "itl_p50_ms": "inter-token latency p50 (ms)", "itl_p99_ms": "inter-token latency p99 (ms)"}
 X_LABELS = {"batch": "batch size", "budget": "tree budget (draft nodes)", "heads": "heads used (tree depth)",
-            "hf": "batch", "triton": "concurrent streams"}
+            "hf": "batch", "triton": "concurrent streams", "llamacpp": "batch"}
 
 
 @dataclasses.dataclass
@@ -495,9 +502,44 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
                          Config("hf", 1, "clover", engine_method, 1, _fixed(args.budget)),
                          Config("hf", 1, "hf-greedy", "hf-greedy", 1),
                          Config("hf", 1, "hf-prompt-lookup", "hf-prompt-lookup", 1)]
+    if "llamacpp" in args.sweeps:
+        configs["llamacpp"] = llamacpp_configs(args, engine_method)
     if "triton" in args.sweeps:
         configs["triton"] = [Config("triton", c, label, label, c) for c in args.concurrency for label in triton_models]
     return configs
+
+
+def llamacpp_configs(args, engine_method: str) -> list[Config]:
+    """The ``llamacpp`` sweep at batch 1: vanilla and the ``clover generate`` defaults on the engine, vanilla on
+    each ``--vanilla-engine``, llama.cpp greedy and prompt lookup on the same GGUF."""
+    rows = [Config("llamacpp", 1, "vanilla", "vanilla", 1),
+            Config("llamacpp", 1, "default-clover", engine_method, 1, TreeConfig(budget=args.budget))]
+    rows += [Config("llamacpp", 1, f"vanilla-{label}", "vanilla", 1, engine=f"vanilla-{label}")
+             for label, _ in args.vanilla_engine]
+    return rows + [Config("llamacpp", 1, "llamacpp-greedy", "llamacpp-greedy", 1),
+                   Config("llamacpp", 1, "llamacpp-prompt-lookup", "llamacpp-prompt-lookup", 1)]
+
+
+def _load_llamacpp(args, engine, notes: list[str]) -> dict:
+    """llama.cpp instances for the ``llamacpp`` sweep (greedy, prompt lookup), or {} with a note where it
+    cannot run: llama-cpp-python missing, or the engine's target is not the demo GGUF's model."""
+    from clover.demo import DEMO_NAME
+    from clover.llamacpp import build_info, load_llama
+
+    if Path(str(engine.meta.source.get("target"))).name != DEMO_NAME:  # the demo checkpoint's cache directory
+        notes.append("llama.cpp sweep skipped: the engine's target is not the demo GGUF's model.")
+        return {}
+    try:
+        llamas = {"llamacpp-greedy": load_llama(threads=args.threads or os.cpu_count()),
+                  "llamacpp-prompt-lookup": load_llama(threads=args.threads or os.cpu_count(),
+                                                       prompt_lookup=args.llamacpp_lookup)}
+    except ConfigError as exc:
+        notes.append(f"llama.cpp sweep skipped: {exc}")
+        return {}
+    info = build_info()
+    notes.append(f"llama.cpp: llama-cpp-python {info['llama_cpp_python']} ({info['system_info']}), "
+                 f"{args.threads or os.cpu_count()} threads, prompt lookup {args.llamacpp_lookup} tokens.")
+    return llamas
 
 
 def _fixed(budget: int, proposer: str = "none") -> TreeConfig:
@@ -626,6 +668,12 @@ def run(args) -> dict:
                 notes.append("Triton sweep without adaptive clover: the engine has no stored cost model "
                              "(build_engine --calibrate).")
             triton = TritonSweep(args, engines, Path(args.output) / "triton", log)
+    for label, directory in args.vanilla_engine:
+        engines[f"vanilla-{label}"] = OnnxRuntimeEngine(directory, threads=args.threads)
+    if "llamacpp" in args.sweeps:
+        engines["llamacpp"] = _load_llamacpp(args, engines["clover"], notes)
+        if not engines["llamacpp"]:
+            args.sweeps = [s for s in args.sweeps if s != "llamacpp"]
     try:
         return _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, store, notes, log)
     finally:
@@ -640,6 +688,10 @@ def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, st
                             tuple(triton.models) if triton is not None else (), extra)
 
     def measure(config: Config, repeat: int, max_new: int) -> dict:
+        if config.method.startswith("llamacpp-"):
+            from clover.llamacpp import run_llamacpp
+
+            return run_llamacpp(engines["llamacpp"][config.method], prompts[repeat % len(prompts)], max_new)
         if config.method.startswith("hf-"):
             lookup = args.prompt_lookup if config.method == "hf-prompt-lookup" else None
             return run_hf(hf_model, prompts[repeat % len(prompts)], max_new, lookup)
@@ -676,7 +728,7 @@ def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, st
         "command": "python -m clover.bench " + " ".join(shlex.quote(a) for a in args.argv),
         "hardware": hardware(),
         "settings": {k: v for k, v in vars(args).items() if k not in ("argv",)},
-        "engines": {name: str(e.engine_dir) for name, e in engines.items()},
+        "engines": {name: str(e.engine_dir) for name, e in engines.items() if name != "llamacpp"},
         "cost_model": cost_model.to_dict() if cost_model is not None else None,
         "step_costs": step_costs(cost_model, args.batch_sizes, args.budget, engines["clover"].spec.num_draft_heads,
                                  engines["clover"].spec.draft_top_k) if cost_model is not None else None,
@@ -732,6 +784,12 @@ def aims(samples: list[dict]) -> list[dict]:
     ratio("default clover / vanilla tokens/s, batch 1", "batch", "default-clover", "vanilla", 1, 2.0)
     ratio("clover (fixed budget) / vanilla tokens/s, batch 1", "batch", "clover", "vanilla", 1, 2.0)
     ratio("clover / transformers generate() greedy, batch 1", "hf", "clover", "hf-greedy", 1, 5.0)
+    # docs/quantized-target.md: against llama.cpp on the same GGUF, and the quantized engine against fp32
+    ratio("vanilla / fp32 engine's vanilla (--vanilla-engine fp32=DIR), batch 1", "llamacpp", "vanilla",
+          "vanilla-fp32", 1, 2.0)
+    ratio("default clover / llama.cpp greedy, batch 1", "llamacpp", "default-clover", "llamacpp-greedy", 1, 1.0)
+    ratio("default clover / llama.cpp prompt lookup, batch 1", "llamacpp", "default-clover",
+          "llamacpp-prompt-lookup", 1, 1.0)
     for x in sorted({s["x"] for s in samples if s["sweep"] == "batch" and s["method"] == "vanilla"}):
         ratio(f"default clover / vanilla tokens/s, batch {x}", "batch", "default-clover", "vanilla", x, 0.95)
         ratio(f"adaptive clover / vanilla tokens/s, batch {x}", "batch", "adaptive-clover", "vanilla", x, 1.0)
@@ -899,6 +957,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the built-in list, or auto: MT-bench where installed")
     p.add_argument("--num-prompts", type=int, default=80, help="distinct prompts used at most")
     p.add_argument("--prompt-lookup", type=int, default=5, help="prompt_lookup_num_tokens of the transformers baseline")
+    p.add_argument("--llamacpp-lookup", type=int, default=10,
+                   help="llamacpp sweep: draft tokens per step of llama.cpp's prompt lookup (LlamaPromptLookupDecoding's "
+                        "num_pred_tokens, default 10)")
+    p.add_argument("--vanilla-engine", action="append", type=_labelled, default=[], metavar="LABEL=DIR",
+                   help="llamacpp sweep: vanilla decoding on another engine of the same target, the line "
+                        "vanilla-LABEL (repeatable; vanilla-fp32 is the aim's fp32 baseline)")
     p.add_argument("--concurrency", type=_ints, default=None,
                    help="triton sweep: concurrent gRPC streams (default 1,2,4,8,16,32; 2 requests per stream)")
     p.add_argument("--triton-startup-timeout", type=float, default=600.0, help="seconds to wait for tritonserver")
@@ -907,9 +971,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.sweeps = [s.strip() for s in args.sweeps.split(",") if s.strip()]
-    unknown = sorted(set(args.sweeps) - set(SWEEPS))
+    unknown = sorted(set(args.sweeps) - set(SWEEPS + OPTIONAL_SWEEPS))
     if unknown:
-        p.error(f"unknown sweeps {unknown}; choose from {', '.join(SWEEPS)}")
+        p.error(f"unknown sweeps {unknown}; choose from {', '.join(SWEEPS + OPTIONAL_SWEEPS)}")
     quick = args.quick
     args.batch_sizes = args.batch_sizes or ([1, 2, 4] if quick else [1, 2, 4, 8, 16, 32])
     args.concurrency = args.concurrency or ([1, 2] if quick else [1, 2, 4, 8, 16, 32])

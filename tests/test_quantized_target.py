@@ -22,7 +22,7 @@ from clover.config import ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.drafters import save_drafter
 from clover.export.builder import build_engine
-from clover.export.target_weights import (INT8_BLOCK_SIZES, StoredWeight, check_quantizable, pack_matmul_nbits, quantize_gguf,
+from clover.export.target_weights import (StoredWeight, check_quantizable, pack_matmul_nbits, quantize_gguf,
                                           quantize_int8_channel, quantize_target, read_gguf_target)
 from clover.target import load_target
 from tests.conftest import make_drafter, write_tiny_checkpoint
@@ -220,10 +220,10 @@ def _decode(engine, method, prompts, tree=None, lengths=None, max_batch=8):
                                                    for p, n in zip(prompts, lengths)])]
 
 
-def _fake_quantized(x: torch.Tensor, block: int) -> torch.Tensor:
-    """int8 activations as MatMulNBits' accuracy_level 4 makes them: per block of the weight's block size along
-    the inputs, symmetric, scale max|x| / 127, rounded to nearest."""
-    blocks = x.reshape(*x.shape[:-1], -1, block)
+def _fake_quantized(x: torch.Tensor) -> torch.Tensor:
+    """int8 activations as MatMulNBits' accuracy_level 4 makes them: per block of the weight's block size (32)
+    along the inputs, symmetric, scale max|x| / 127, rounded to nearest."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
     return (q * scale).reshape(x.shape)
@@ -240,9 +240,7 @@ def _int8_compute_reference(reference_target, weights: dict):
 
     def hook_for(stored):
         weight = torch.from_numpy(stored.dequantize())  # [N, K]
-        offset, block = None, 32  # Q4_1 and Q8_0 blocks; int8 channels: the largest of INT8_BLOCK_SIZES dividing K
-        if stored.format == "int8_channel":
-            block = next(size for size in INT8_BLOCK_SIZES if stored.shape[1] % size == 0)
+        offset = None
         if stored.format == "q4_1":
             blocks = stored.data.reshape(stored.shape[0], -1, 20)
             d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
@@ -252,7 +250,7 @@ def _int8_compute_reference(reference_target, weights: dict):
 
         def hook(module, inputs, output):
             x = inputs[0]
-            y = _fake_quantized(x, block) @ weight.T
+            y = _fake_quantized(x) @ weight.T
             if offset is not None:
                 y = y + x.reshape(*x.shape[:-1], -1, 32).sum(-1) @ offset.T
             return y + module.bias if module.bias is not None else y

@@ -47,13 +47,20 @@ def clover2_engine_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(install, tiny_engine_dir, clover2_engine_path, tmp_path_factory):
+def q4_engine_path(tmp_path_factory):
+    """Where test_a_quantized_engine_serves_its_greedy_output builds its engine before it loads ``clover_q4``."""
+    return tmp_path_factory.mktemp("q4") / "engine"
+
+
+@pytest.fixture(scope="module")
+def server(install, tiny_engine_dir, clover2_engine_path, q4_engine_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("triton")
     repo = write_repository(root / "repo", {
         "clover": {"engine_dir": str(tiny_engine_dir), "threads": "1", "max_batch": "16"},
         "clover_bad": {"engine_dir": str(root / "no-such-engine")},
         "clover2": {"engine_dir": str(clover2_engine_path), "threads": "1", "max_batch": "4"},
         "suffix_only": {"engine_dir": str(tiny_engine_dir), "threads": "1", "max_batch": "4", "method": "suffix"},
+        "clover_q4": {"engine_dir": str(q4_engine_path), "threads": "1", "max_batch": "4"},
     })
     server = TritonServer(repo, 0, 0, 0, host="127.0.0.1", log_file=root / "tritonserver.log", install=install,
                           extra_args=("--model-control-mode=explicit", "--load-model=clover"))
@@ -326,6 +333,37 @@ def test_suffix_method_serves_greedy_output(server, reference):
         admin.unload_model("suffix_only", headers=server.grpc_admin_headers)
         admin.close()
     assert "with suffix decoding" in server.log_tail(20000)
+
+
+def test_a_quantized_engine_serves_its_greedy_output(server, tiny_engine_dir, q4_engine_path):
+    """A 4-bit engine (--target-weights q4, fp32 compute) of the same tiny target, served by the same model code:
+    a stream and a single response equal transformers greedy over its weights as stored (dequantised), and the
+    same engine's vanilla decoding (docs/quantized-target.md)."""
+    import tritonclient.grpc as grpcclient
+
+    from clover.export.builder import build_engine
+    from clover.export.target_weights import quantize_target
+    from clover.target import load_target
+    from tests.helpers import dequantised_target
+    from tests.serving_support import Reference
+
+    checkpoint = tiny_engine_dir.parent / "checkpoint"  # serving_support.build_tiny_engine's layout
+    engine_dir = q4_engine_path
+    build_engine(engine_dir, str(checkpoint), None, max_seq=256, max_batch=4, target_weights="q4",
+                 target_compute="fp32", progress=lambda message: None)
+    stored = quantize_target(load_target(checkpoint), "q4")  # what the build stored (deterministic)
+    reference = Reference(engine_dir, dequantised_target(checkpoint, stored))
+    admin = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        admin.load_model("clover_q4", headers=server.grpc_admin_headers)
+        with GrpcClient(server.grpc_url, model="clover_q4") as client:
+            for i, (prompt, length) in enumerate([(PROMPTS[0], 24), (PROMPTS[4], 16)]):
+                got = collect(client.stream(prompt, length)) if i == 0 else client.generate(prompt, length)
+                expected = reference(prompt, length)
+                assert got.token_ids == expected.token_ids and got.text == expected.text, prompt
+    finally:
+        admin.unload_model("clover_q4", headers=server.grpc_admin_headers)
+        admin.close()
 
 
 def test_load_generator_reports_percentiles(server):

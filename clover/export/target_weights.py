@@ -31,7 +31,6 @@ TARGET_WEIGHTS = ("fp32", "int8", "q4")
 TARGET_COMPUTE = ("fp32", "int8")  # MatMulNBits accuracy_level 1 / 4: activations fp32, or int8 per block
 ACCURACY_LEVEL = {"fp32": 1, "int8": 4}
 BLOCK = 32  # weights per Q4_1 / Q8_0 block, and the smallest input size a quantized linear may have
-INT8_BLOCK_SIZES = (128, 64, 32)  # MatMulNBits blocks that carry an int8 channel's one scale (largest that fits)
 
 # the decoder-layer linears, as clover names them (clover.target) and as a llama GGUF does
 LAYER_LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -126,7 +125,8 @@ def pack_matmul_nbits(weight: StoredWeight) -> PackedMatMul:
       point ``-m/d`` would say the same in one input, but onnxruntime 1.32's CPU kernel then dequantises the
       whole matrix at every call (about 30x slower, docs/quantized-target.md).
     - Q8_0 ``w = d*q``: 8-bit ``q + 128`` with scale ``d`` and the default zero point 128: exact.
-    - int8 per channel: 8-bit ``q + 128``, each block of a row carrying the row's scale: exact.
+    - int8 per channel: 8-bit ``q + 128``, each block of 32 in a row carrying the row's scale: exact. (Blocks of
+      32, not the whole row: int8 compute quantizes the activations per weight block, and finer is closer.)
     """
     n, k = weight.shape
     if weight.format == "q4_1":
@@ -144,9 +144,8 @@ def pack_matmul_nbits(weight: StoredWeight) -> PackedMatMul:
         q = blocks[..., 2:].view(np.int8)
         return PackedMatMul(k, n, 8, BLOCK, _offset_binary(q), d.reshape(-1))
     if weight.format == "int8_channel":
-        size = next(b for b in INT8_BLOCK_SIZES if k % b == 0)
-        q = weight.data.reshape(n, k // size, size)
-        return PackedMatMul(k, n, 8, size, _offset_binary(q), np.repeat(weight.scale, k // size))
+        q = weight.data.reshape(n, k // BLOCK, BLOCK)
+        return PackedMatMul(k, n, 8, BLOCK, _offset_binary(q), np.repeat(weight.scale, k // BLOCK))
     raise ValueError(f"no MatMulNBits mapping for format {weight.format!r}")
 
 
