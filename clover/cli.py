@@ -246,7 +246,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (0: a free one)")
     p.add_argument("--model-repository", type=Path, help="serve this model repository as it is (ignores --engine)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server to be ready")
-    p.add_argument("--log-file", type=Path, help="write the server log here (default: the terminal)")
+    p.add_argument("--log-file", type=Path, help="where tritonserver's log (and the OpenAI frontend's) go; "
+                   "default: a new clover-serve-<time>-<pid>.log in the temp directory, named at startup; "
+                   "'-': the terminal")
     p.add_argument("--demo", action="store_true", help="the end-to-end demo instead: build the demo engine if missing, "
                    "start the server, stream answers to a few prompts, compare with vanilla, stop")
     p.add_argument("--max-tokens", type=_positive, default=96, help="with --demo: new tokens per answer")

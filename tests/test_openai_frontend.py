@@ -104,8 +104,12 @@ def test_completions_take_one_prompt(tokenizer):
     ({"messages": [{"content": "hi"}]}, "messages[0].role", "Field required"),
     ({"temperature": "hot"}, "temperature", "valid number"),
     ({"max_tokens": "5"}, "max_tokens", "valid integer"),
-    ({"max_tokens": 2**40}, "max_tokens", "less than or equal"),
-    ({"seed": -1}, "seed", "greater than or equal to 0"),
+    ({"temperature": 5}, "temperature", "temperature must be between 0 and 2 (got 5)"),  # OpenAI's range
+    ({"temperature": -1}, "temperature", "temperature must be between 0 and 2 (got -1)"),
+    ({"top_p": 1.5}, "top_p", "top_p must be in (0, 1] (got 1.5)"),
+    ({"top_k": -1}, "top_k", f"top_k must be between 0 and {2**31 - 1} (got -1)"),
+    ({"seed": -1}, "seed", f"seed must be between 0 and {2**64 - 1} (got -1)"),
+    ({"seed": 2**64}, "seed", f"seed must be between 0 and {2**64 - 1} (got {2**64})"),
     ({"stop": [1]}, "stop[0]", "valid string"),
     ({"n": 2}, "n", "only n=1"),
     ({"logprobs": True}, "logprobs", "only logprobs=false"),
@@ -116,6 +120,38 @@ def test_schema_errors_name_the_parameter(body, param, message):
     with pytest.raises(OpenAIError) as info:
         parse_body(ChatCompletionRequest, raw)
     assert info.value.status == 400 and info.value.param == param and message in info.value.message
+
+
+def test_the_ends_of_the_ranges_are_accepted():
+    for body in ({"temperature": 0}, {"temperature": 2}, {"top_p": 1}, {"top_k": 0}, {"seed": 0},
+                 {"seed": 2**64 - 1}):
+        raw = json.dumps({"model": "clover", "messages": [{"role": "user", "content": "hi"}], **body}).encode()
+        parse_body(ChatCompletionRequest, raw)
+
+
+@pytest.mark.parametrize("raw", [b"", b"  \n"])
+def test_an_empty_body_is_called_empty(raw):
+    for schema, required in ((ChatCompletionRequest, "model, messages"), (CompletionRequest, "model, prompt")):
+        with pytest.raises(OpenAIError) as info:
+            parse_body(schema, raw)
+        assert info.value.status == 400 and info.value.param is None
+        assert info.value.message == f"the request body is empty; send a JSON object with at least {required}"
+    with pytest.raises(OpenAIError, match="must be a JSON object with at least model, messages \\(got list\\)"):
+        parse_body(ChatCompletionRequest, b"[]")
+
+
+@pytest.mark.parametrize("value", [0, -5, CONTEXT + 1, 100000, 2**40, 10**12])
+def test_max_tokens_out_of_range_is_worded_the_same_whatever_its_size(tokenizer, value):
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(OpenAIError) as info:
+            _chat(tokenizer, **{field: value})
+        assert (info.value.status, info.value.param) == (400, field)
+        assert info.value.message == (f"{field} must be between 1 and {CONTEXT}, the engine's context in tokens "
+                                      f"(got {value})")
+    with pytest.raises(OpenAIError, match=f"max_tokens must be between 1 and {CONTEXT}, .* \\(got {value}\\)"):
+        completion_request(parse_body(CompletionRequest, json.dumps(
+            {"model": "clover", "prompt": "hi", "max_tokens": value}).encode()), tokenizer, CONTEXT)
+    assert _chat(tokenizer, max_tokens=CONTEXT).fields["max_tokens"] == CONTEXT  # the top end is the model's
 
 
 def test_model_refusals_name_the_parameter():
@@ -130,6 +166,113 @@ def test_model_refusals_name_the_parameter():
     assert model_error("the server is shutting down; the request was cancelled", params).status == 503
 
 
+# -- shutdown of the frontend, on a stand-in for Triton ---------------------------------------------
+
+class EndlessGateway:
+    """Stands in for Triton: answers that never end (a token every 20 ms) until the frontend closes them."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.closed = 0
+
+    async def ready(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+    async def generate(self, request):
+        import asyncio
+
+        from clover.client import Chunk
+
+        try:
+            while True:
+                await asyncio.sleep(0.02)
+                yield Chunk("x", [120], None, None, time.perf_counter())
+        finally:
+            self.closed += 1
+
+
+def _sse_events(response) -> list:
+    """The ``data:`` payloads of a server-sent-event response, JSON decoded ("[DONE]" as is)."""
+    events = []
+    for line in response:
+        line = line.decode().strip()
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def _post(port: int, path: str, body: dict):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    return conn.getresponse()
+
+
+def test_shutdown_ends_open_requests_with_a_final_chunk_and_done(tokenizer, capsys):
+    """SIGTERM with answers that would never end: after the drain each ends with finish reason
+    ``cancelled`` (a stream with its final chunk, the usage chunk and ``data: [DONE]``), uvicorn cancels
+    nothing (no traceback), and the frontend says one line."""
+    import argparse
+    import logging
+
+    from clover.serving.openai_frontend import _server
+
+    drain_s, port = 1.0, free_port()
+    app = create_app(FrontendSettings("unused:1", CONTEXT, drain_s=drain_s), tokenizer, gateway=EndlessGateway)
+    server = _server(app, argparse.Namespace(host="127.0.0.1", port=port, log_level="warning", drain_timeout=drain_s))
+    errors: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = errors.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    results: dict = {}
+    try:
+        _wait_until(lambda: server.started)
+        chat = {"model": "clover", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+
+        def stream():
+            results["stream"] = _sse_events(_post(port, "/v1/chat/completions", {
+                **chat, "stream": True, "stream_options": {"include_usage": True}}))
+
+        def whole():
+            response = _post(port, "/v1/completions", {"model": "clover", "prompt": "hi", "max_tokens": 200})
+            results["whole"] = (response.status, json.loads(response.read()))
+
+        clients = [threading.Thread(target=stream), threading.Thread(target=whole)]
+        for client in clients:
+            client.start()
+        _wait_until(lambda: app.state.shutdown.open_requests == 2)
+        time.sleep(0.2)  # both have tokens to show
+        stopped = time.monotonic()
+        server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+        for client in clients:
+            client.join(30)
+        thread.join(30)
+        ended = time.monotonic() - stopped
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    events = results["stream"]
+    assert events[-1] == "[DONE]", events[-3:]
+    final, usage = events[-3], events[-2]
+    assert final["choices"][0]["finish_reason"] == "cancelled" and usage["choices"] == []
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
+    assert content and set(content) == {"x"} and usage["usage"]["completion_tokens"] == len(content)
+    status, body = results["whole"]
+    assert status == 200 and body["choices"][0]["finish_reason"] == "cancelled" and body["choices"][0]["text"]
+    assert drain_s - 0.1 < ended < drain_s + 5, ended  # the drain, not uvicorn's timeout after it
+    assert not thread.is_alive() and app.state.gateway.closed == 2  # both Triton requests were closed
+    assert not errors, [record.getMessage() for record in errors]  # e.g. "Cancel 2 running task(s)"
+    said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert said == ["[clover] OpenAI frontend: shutting down; 2 open request(s) end within 1 s"], said
+
+
 # -- a real clover serve ---------------------------------------------------------------------------
 
 class Served:
@@ -142,6 +285,13 @@ class Served:
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+    @property
+    def log(self) -> str:
+        """The server log (tritonserver's and the frontend's), in the file clover serve named."""
+        match = re.search(r"\[clover\] server log: (\S+)", self.output)
+        assert match, self.output
+        return open(match.group(1), errors="replace").read()
 
     def pid_after(self, text: str) -> int | None:
         match = re.search(re.escape(text) + r"[^\n]*?\(pid (\d+)\)", self.output)
@@ -172,7 +322,7 @@ def _alive(pid: int | None) -> bool:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_engine_dir):
+def served(tiny_engine_dir, tmp_path_factory):
     pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed: pip install -e '.[serve]'")
     pytest.importorskip("openai", reason="the openai client is not installed: pip install -e '.[test]'")
     try:
@@ -182,8 +332,12 @@ def served(tiny_engine_dir):
     ports = [free_port() for _ in range(4)]
     cmd = [sys.executable, "-m", "clover.cli", "serve", "--engine", str(tiny_engine_dir), "--host", "127.0.0.1",
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-           "--openai-port", str(ports[3]), "--threads", "1", "--max-batch", "16", "--startup-timeout", str(STARTUP_S)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+           "--openai-port", str(ports[3]), "--threads", "1", "--max-batch", "16", "--startup-timeout", str(STARTUP_S),
+           "--drain-timeout", "0"]  # Ctrl-C cancels what runs (the last test): the stream outlasts the drain
+    # the default server log goes to the temp directory: this module's own
+    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("serve-tmp"))}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env)
     lines: list[str] = []
     threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True).start()
     served = Served(proc, lines, ports)
@@ -410,10 +564,16 @@ def _error_of(call) -> tuple[int, dict]:
 def test_each_bad_input_gets_its_own_openai_error(served, client):
     user = [{"role": "user", "content": "hi"}]
     chat_cases = [
-        ({"messages": user, "temperature": -1}, "temperature", "temperature must be >= 0"),
+        ({"messages": user, "temperature": -1}, "temperature", r"^temperature must be between 0 and 2 \(got -1\)$"),
+        ({"messages": user, "temperature": 5}, "temperature", r"^temperature must be between 0 and 2 \(got 5\)$"),
         ({"messages": user, "top_p": 1.5}, "top_p", r"top_p must be in \(0, 1\]"),
-        ({"messages": user, "max_tokens": 0}, "max_tokens", "must be >= 1"),
-        ({"messages": user, "max_completion_tokens": 100000}, "max_completion_tokens", "larger than the engine"),
+        ({"messages": user, "max_tokens": 0}, "max_tokens", rf"^max_tokens must be between 1 and {CONTEXT}, "),
+        ({"messages": user, "max_tokens": 100000}, "max_tokens",
+         rf"^max_tokens must be between 1 and {CONTEXT}, the engine's context in tokens \(got 100000\)$"),
+        ({"messages": user, "max_tokens": 10**12}, "max_tokens",
+         rf"^max_tokens must be between 1 and {CONTEXT}, the engine's context in tokens \(got 1000000000000\)$"),
+        ({"messages": user, "max_completion_tokens": 100000}, "max_completion_tokens",
+         rf"^max_completion_tokens must be between 1 and {CONTEXT}, "),
         ({"messages": [{"role": "user", "content": ""}]}, "messages", "the prompt is empty"),
         ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages", "does not fit"),
         ({"messages": [], "max_tokens": 5}, "messages", "at least 1 item"),
@@ -421,9 +581,9 @@ def test_each_bad_input_gets_its_own_openai_error(served, client):
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "messages[0].content", "only text parts"),
         ({"messages": user, "n": 2}, "n", "only n=1"),
-        ({"messages": user, "seed": -5}, "seed", "greater than or equal to 0"),
+        ({"messages": user, "seed": -5}, "seed", r"^seed must be between 0 and \d+ \(got -5\)$"),
         ({"messages": user, "extra_body": {"temperature": "hot"}}, "temperature", "valid number"),
-        ({"messages": user, "stream": True, "max_tokens": 0}, "max_tokens", "must be >= 1"),  # before the stream
+        ({"messages": user, "stream": True, "max_tokens": 0}, "max_tokens", "must be between 1 and"),  # before the stream
     ]
     for kwargs, param, message in chat_cases:
         status, body = _error_of(lambda: client.chat.completions.create(model="clover", **kwargs))
@@ -438,6 +598,11 @@ def test_each_bad_input_gets_its_own_openai_error(served, client):
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(raw, timeout=30)
     assert info.value.code == 400 and "not valid JSON" in json.loads(info.value.read())["error"]["message"]
+    raw = urllib.request.Request(f"{served.base_url}/chat/completions", data=b"", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(raw, timeout=30)
+    assert info.value.code == 400
+    assert json.loads(info.value.read())["error"]["message"].startswith("the request body is empty")
     after = client.chat.completions.create(model="clover", messages=user, max_tokens=3)
     assert after.usage.completion_tokens == 3  # the server keeps serving
 
@@ -489,15 +654,41 @@ def test_a_frontend_crash_is_reported(served, tiny_engine_dir, tmp_path, capsys)
         frontend.stop()
 
 
-def test_ctrl_c_stops_the_frontend_and_tritonserver(served, client):
-    """Last: it stops the module's server."""
+def test_the_terminal_shows_clover_s_lines_and_the_server_log_goes_to_a_file(served):
+    """Triton's startup log (on CPU with an error line about CUDA) is in the log file clover serve names,
+    not in the terminal: as quiet as ``clover serve --demo``."""
+    log = served.log
+    assert "Started GRPCInferenceService" in log and "Started HTTPService" in log, log[-2000:]
+    assert "GRPCInferenceService" not in served.output and "CudaDriverHelper" not in served.output, served.output
+    assert not re.search(r"^[IWE]\d{4} \d\d:\d\d", served.output, re.M), served.output  # Triton's log lines
+
+
+def test_ctrl_c_ends_an_open_stream_with_a_final_chunk_and_done(served, reference):
+    """Last: it stops the module's server, with a stream open that would outlast the drain (0 s here):
+    the stream ends with its final chunk (finish reason ``cancelled``), the usage chunk and
+    ``data: [DONE]``; nothing prints a traceback; both processes are gone."""
     triton_pid, frontend_pid = served.pid_after("ready"), served.pid_after("OpenAI-compatible endpoint ready")
     assert _alive(triton_pid) and _alive(frontend_pid)
-    stream = client.chat.completions.create(model="clover", messages=[{"role": "user", "content": "a"}],
-                                            max_tokens=200, stream=True)
-    next(iter(stream))  # a stream is open when Ctrl-C comes
+    prompt = next(p for p in PROMPTS if reference(p, 200, False).finish_reason == "length")
+    response = _post(served.openai_port, "/v1/completions", {
+        "model": "clover", "prompt": prompt, "max_tokens": 200, "stream": True,
+        "stream_options": {"include_usage": True}, "return_token_ids": True})
+    assert response.status == 200
+    first = response.readline()  # a stream is open when Ctrl-C comes
+    assert first.startswith(b"data: "), first
     served.proc.send_signal(signal.SIGINT)
+    events = [json.loads(first[len(b"data: "):])] + _sse_events(response)
     assert served.proc.wait(90) == 0, served.output
+    assert events[-1] == "[DONE]", events[-3:]
+    final, usage = events[-3], events[-2]
+    assert final["choices"][0]["finish_reason"] == "cancelled", final  # the drain's finish reason
+    ids = [i for e in events[:-2] for i in e["choices"][0].get("token_ids") or []]
+    assert 0 < len(ids) < 200 and ids == reference(prompt, 200, False).token_ids[:len(ids)]  # the greedy answer, cut
+    assert usage["usage"]["completion_tokens"] == len(ids)
     _wait_until(lambda: "stopped (exit code 0)" in served.output, 10)
     assert "stopped the OpenAI frontend (exit code 0)" in served.output, served.output[-3000:]
     assert not _alive(triton_pid) and not _alive(frontend_pid)
+    for text in (served.output, served.log):
+        assert "Traceback" not in text and "timeout graceful shutdown exceeded" not in text, text[-3000:]
+    # the frontend's one line (the stream may have ended already, at the model's drain)
+    assert re.search(r"\[clover\] OpenAI frontend: shutting down; [01] open request\(s\) end within 2 s", served.log)

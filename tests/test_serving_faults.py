@@ -448,7 +448,7 @@ class _Serve:
         cmd = [sys.executable, "-m", "clover.cli", "serve", "--engine", str(engine_dir), "--threads", "1",
                "--http-port", str(self.ports[0]), "--grpc-port", str(self.ports[1]),
                "--metrics-port", str(self.ports[2]), "--drain-timeout", str(drain_s),
-               "--startup-timeout", str(STARTUP_S)]
+               "--startup-timeout", str(STARTUP_S), "--log-file", "-"]  # tritonserver's log in the output: checked
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines: list[str] = []

@@ -16,6 +16,7 @@ the same engine (a second model in the same server), and stop the server.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -31,6 +32,8 @@ from clover.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, ServerError, Trit
 
 # how often clover serve checks that tritonserver and its stubs live; a dead stub is noticed within this
 HEALTH_POLL_S = 0.5
+# seconds the OpenAI frontend's drain outlasts the model's: the model ends each request with its final response
+FRONTEND_DRAIN_MARGIN_S = 2.0
 
 DEMO_PROMPTS = (
     "Explain speculative decoding in two sentences.",
@@ -78,9 +81,12 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
           drain_s: float = 10.0) -> int:
     """Serve until Ctrl-C (or SIGTERM); returns the exit code: 0 after a clean shutdown, else 1.
     ``openai_port``: also run the OpenAI-compatible frontend (its own process) there. ``drain_s``: at
-    shutdown, seconds in-flight requests may still run before they are cancelled."""
+    shutdown, seconds in-flight requests may still run before they are cancelled. ``log_file``: where
+    tritonserver's and the frontend's output go; None: a new file in the temp directory (named on ``out``),
+    "-": the terminal."""
     workdir = Path(tempfile.mkdtemp(prefix="clover-serve-"))
     server = frontend = None
+    log_file = default_log_file() if log_file is None else (None if str(log_file) == "-" else Path(log_file))
     try:
         # checked before tritonserver starts: the frontend reads the engine's tokenizer and context
         openai_engine = _openai_engine(engine, backend, model_repository) if openai_port is not None else None
@@ -103,6 +109,8 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                                       drain_s=drain_s)
                 print(f"[clover] starting tritonserver ({server.install.source}: {server.install.binary}) on {what}",
                       file=out, flush=True)
+                if log_file is not None:
+                    print(f"[clover] server log: {log_file}", file=out, flush=True)
                 server.start()
                 server.wait_ready(startup_timeout_s)
                 _print_endpoints(server, out)
@@ -111,14 +119,19 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                     _start_openai(frontend, startup_timeout_s, out)
                 return _wait_for_exit(server, frontend, out)
             except KeyboardInterrupt:
-                print(f"\n[clover] stopping {'the OpenAI frontend and ' if frontend else ''}tritonserver ...", file=out,
-                      flush=True)
+                print(f"\n[clover] stopping {'the OpenAI frontend and ' if frontend else ''}tritonserver (requests in "
+                      f"flight get {drain_s:g} s) ...", file=out, flush=True)
+                if server is not None:
+                    # first: the model ends the requests in flight at the drain deadline, each with its final
+                    # response, which the frontend still forwards (its open streams end with data: [DONE])
+                    server.request_drain()
                 if frontend is not None:
                     print(f"[clover] stopped the OpenAI frontend (exit code {frontend.stop()})", file=out, flush=True)
                 code = server.stop() if server is not None else None
                 print(f"[clover] stopped (exit code {code})", file=out, flush=True)
                 if code:
-                    print(f"clover: error: tritonserver did not exit cleanly (exit code {code}); see its log",
+                    where = f": {log_file}" if log_file is not None else ""
+                    print(f"clover: error: tritonserver did not exit cleanly (exit code {code}); see its log{where}",
                           file=sys.stderr, flush=True)
                 return 1 if code else 0
     except ServerError as exc:
@@ -130,6 +143,11 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def default_log_file() -> Path:
+    """Where ``clover serve`` writes the server log unless told otherwise: a new file in the temp directory."""
+    return Path(tempfile.gettempdir()) / f"clover-serve-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
 
 
 def _print_endpoints(server: TritonServer, out: TextIO) -> None:
@@ -157,8 +175,9 @@ def _openai_engine(engine, backend: str, model_repository) -> Path:
 def _openai_frontend(engine_dir: Path, server: TritonServer, port: int):
     from clover.serving.openai_frontend import FrontendProcess
 
+    # the frontend's own drain ends a request only if the model's did not (the margin: its final response)
     return FrontendProcess(engine_dir, server.grpc_url, port or free_port(), host=server.host, model=MODEL_NAME,
-                           log_file=server.log_file)
+                           log_file=server.log_file, drain_s=server.drain_s + FRONTEND_DRAIN_MARGIN_S)
 
 
 def _start_openai(frontend, timeout_s: float, out: TextIO) -> None:

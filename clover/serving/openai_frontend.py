@@ -5,9 +5,15 @@ A thin translation layer that runs in its own process beside tritonserver: ``GET
 mapped onto one request to the ``clover`` model over Triton's gRPC streaming API
 (``tritonclient.grpc.aio``, one channel shared by all requests).
 
-The model stays the one place that checks values (temperature and top_p ranges, max_tokens against
-the context, prompt length, ...): its refusals come back here and are answered as OpenAI errors
-(HTTP 400, ``param`` named). This module checks only the OpenAI schema (types, fields it cannot honour).
+This module checks the OpenAI request: its schema (types, fields it cannot honour) and OpenAI's value
+ranges (temperature 0-2, top_p, max_tokens from 1 to the engine's context, top_k, seed), each refused in
+one wording, "<param> must be between A and B (got X)", whatever the value. The model checks the rest
+(the prompt's length, stop words, ...): its refusals come back here and are answered as OpenAI errors
+(HTTP 400, ``param`` named).
+
+Shutdown (SIGTERM or SIGINT): no new connections; open requests run on for ``--drain-timeout`` seconds
+(``clover serve`` drains the model first, so they normally end with the model's own final response),
+then each ends with finish reason ``cancelled``, a stream with its final chunk and ``data: [DONE]``.
 
 Chat prompts: the model wraps ``text_input`` as *one* user turn. A conversation of one user message
 is sent that way, exactly as ``clover client`` sends a prompt; any other conversation is rendered
@@ -21,6 +27,7 @@ Stand-alone: ``python -m clover.serving.openai_frontend --engine DIR --grpc-url 
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request, imported
 # inside create_app so that clover serve imports this module without fastapi) as objects
 import argparse
+import asyncio
 import dataclasses
 import json
 import os
@@ -43,6 +50,10 @@ MODEL_NAME = "clover"
 DEFAULT_PORT = 9000
 _INT32_MAX = 2**31 - 1
 _UINT64_MAX = 2**64 - 1
+# the finish reason of a request that shutdown ended (the model's drain uses the same)
+CANCELLED = "cancelled"
+# seconds uvicorn waits beyond the drain for the requests to send their last chunk, before it cancels them
+_SHUTDOWN_MARGIN_S = 5.0
 
 
 class OpenAIError(Exception):
@@ -84,13 +95,14 @@ class ChatMessage(_Strict):
 
 
 class _GenerationFields(_Strict):
+    # value ranges: _check_ranges, one wording for every value out of range
     model: str
-    max_tokens: int | None = Field(None, ge=-_INT32_MAX, le=_INT32_MAX)  # the model checks the real range
+    max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = Field(None, ge=-_INT32_MAX, le=_INT32_MAX)  # not OpenAI's; vLLM and TensorRT-LLM take it
+    top_k: int | None = None  # not OpenAI's; vLLM and TensorRT-LLM take it
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=_UINT64_MAX)  # the model's random_seed is UINT64
+    seed: int | None = None  # the model's random_seed is UINT64
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extension: each choice (chunk) also carries its token ids
@@ -98,7 +110,7 @@ class _GenerationFields(_Strict):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=-_INT32_MAX, le=_INT32_MAX)
+    max_completion_tokens: int | None = None
 
 
 class CompletionRequest(_GenerationFields):
@@ -115,18 +127,25 @@ _TYPE_TAGS = {"str", "int", "float", "bool"}  # pydantic's union branches in an 
 
 def parse_body(schema: type[_GenerationFields], raw: bytes) -> _GenerationFields:
     """The request body as ``schema``; OpenAIError naming the first bad field."""
+    required = ", ".join(name for name, field in schema.model_fields.items() if field.is_required())
+    if not raw.strip():
+        raise OpenAIError(400, f"the request body is empty; send a JSON object with at least {required}")
     try:
-        body = schema.model_validate_json(raw or b"{}")
+        body = schema.model_validate_json(raw)
     except ValidationError as exc:
         errors = exc.errors()
         if errors[0]["type"] == "json_invalid":
             raise OpenAIError(400, f"the request body is not valid JSON ({errors[0]['msg']})") from None
+        if not errors[0]["loc"]:  # valid JSON, but a list, a string, a number, ...
+            raise OpenAIError(400, f"the request body must be a JSON object with at least {required} "
+                                   f"(got {type(json.loads(raw)).__name__})") from None
         # the first field's deepest error: for a union (stop: str | list[str]) the branch that got furthest
         field = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
         error = max(field, key=lambda e: len(_param_path(e["loc"])))
         param = _param_path(error["loc"])
         raise OpenAIError(400, f"{param}: {error['msg']}" if param else error["msg"], param or None) from None
     _refuse_unsupported(body)
+    _check_ranges(body)
     return body
 
 
@@ -138,6 +157,33 @@ def _param_path(loc: tuple) -> str:
         elif part not in _TYPE_TAGS and "[" not in part:
             path += f".{part}" if path else part
     return path
+
+
+# OpenAI's ranges (top_k's and seed's: what the model's INT32 and UINT64 inputs hold); max_tokens: _check_max_tokens
+_RANGES = {"temperature": (0, 2), "top_k": (0, _INT32_MAX), "seed": (0, _UINT64_MAX)}
+
+
+def _out_of_range(param: str, value, low, high, note: str = "") -> OpenAIError:
+    return OpenAIError(400, f"{param} must be between {low} and {high}{note} (got {_shown(value)})", param)
+
+
+def _shown(value) -> str:
+    """A number as the client likely wrote it (JSON 5 arrives as 5.0 in a float field)."""
+    return str(value).removesuffix(".0") if isinstance(value, float) else str(value)
+
+
+def _check_ranges(body: _GenerationFields) -> None:
+    for param, (low, high) in _RANGES.items():
+        value = getattr(body, param)
+        if value is not None and not low <= value <= high:  # NaN too
+            raise _out_of_range(param, value, low, high)
+    if body.top_p is not None and not 0 < body.top_p <= 1:
+        raise OpenAIError(400, f"top_p must be in (0, 1] (got {_shown(body.top_p)})", "top_p")
+
+
+def _check_max_tokens(param: str, value: int, context: int) -> None:
+    if not 1 <= value <= context:
+        raise _out_of_range(param, value, 1, context, ", the engine's context in tokens")
 
 
 def _refuse_unsupported(body: _GenerationFields) -> None:
@@ -188,6 +234,7 @@ def _triton_request(body: _GenerationFields, text: str, template: bool, prompt_t
                     max_tokens: int | None, context: int, params: dict) -> TritonRequest:
     if max_tokens is None:  # OpenAI's default: as many as the context leaves
         max_tokens = max(1, context - prompt_tokens)
+    _check_max_tokens(params["max_tokens"], max_tokens, context)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     fields = request_fields(text, max_tokens, body.stream, temperature=body.temperature, top_k=body.top_k,
                             top_p=body.top_p, stop_words=stop, seed=body.seed, perf=True, chat_template=template)
@@ -402,6 +449,69 @@ async def stream_events(first, chunks: AsyncIterator, request: TritonRequest, sh
         await chunks.aclose()
 
 
+# -- shutdown ----------------------------------------------------------------------
+
+class Shutdown:
+    """The frontend's drain: :meth:`request` (from a signal handler) starts it; ``drain_s`` later
+    :attr:`expired` is set and the requests still open end themselves (:func:`until_shutdown`)."""
+
+    def __init__(self, drain_s: float) -> None:
+        self.drain_s = drain_s
+        self.open_requests = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # set at startup
+        self.expired = asyncio.Event()
+        self.started = False
+
+    def request(self) -> None:
+        """Start the drain; safe to call from a signal handler or another thread."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._begin)
+
+    def _begin(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        # the one line the frontend logs at shutdown
+        print(f"[clover] OpenAI frontend: shutting down; {self.open_requests} open request(s) end within "
+              f"{self.drain_s:g} s", file=sys.stderr, flush=True)
+        self.loop.call_later(self.drain_s, self.expired.set)
+
+
+async def until_shutdown(chunks: AsyncIterator, shutdown: Shutdown) -> AsyncIterator:
+    """``chunks`` up to the last one or, if the shutdown drain expires first, then a final chunk with finish
+    reason ``cancelled`` (``chunks`` is closed either way, which cancels an unfinished Triton request)."""
+    from clover.client import Chunk
+
+    shutdown.open_requests += 1
+    expired = asyncio.ensure_future(shutdown.expired.wait())
+    following = None
+    try:
+        while True:
+            following = asyncio.ensure_future(chunks.__anext__())
+            await asyncio.wait({following, expired}, return_when=asyncio.FIRST_COMPLETED)
+            if not following.done():
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
+                yield Chunk("", [], CANCELLED, None, time.perf_counter())
+                return
+            try:
+                chunk = following.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+    finally:
+        shutdown.open_requests -= 1
+        expired.cancel()
+        # no await here while a cancellation is under way (anyio repeats it at every await): a pending
+        # read is cancelled, which ends ``chunks`` in its own task; an idle ``chunks`` closes at once
+        if following is not None and not following.done():
+            following.cancel()
+        else:
+            await chunks.aclose()
+
+
 # -- the app -----------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +519,7 @@ class FrontendSettings:
     grpc_url: str
     context: int  # the engine's context in tokens (the default max_tokens fills it)
     model: str = MODEL_NAME
+    drain_s: float = 10.0  # at shutdown, seconds open requests may still run (Shutdown)
 
 
 def _streaming_response_class():
@@ -438,8 +549,9 @@ def _streaming_response_class():
     return CancellingStream
 
 
-def create_app(settings: FrontendSettings, tokenizer):
-    """The FastAPI app; it opens its gRPC channel to Triton at startup."""
+def create_app(settings: FrontendSettings, tokenizer, gateway=TritonGateway):
+    """The FastAPI app; it opens its gRPC channel to Triton (``gateway(url, model)``) at startup.
+    ``app.state.shutdown.request()`` starts its drain (:class:`Shutdown`)."""
     import contextlib
 
     from fastapi import FastAPI, Request
@@ -448,11 +560,13 @@ def create_app(settings: FrontendSettings, tokenizer):
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        app.state.gateway = TritonGateway(settings.grpc_url, settings.model)
+        app.state.gateway = gateway(settings.grpc_url, settings.model)
+        app.state.shutdown.loop = asyncio.get_running_loop()
         yield
         await app.state.gateway.close()
 
     app = FastAPI(title="Clover (OpenAI-compatible)", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.shutdown = Shutdown(settings.drain_s)
     stream_class = _streaming_response_class()
 
     @app.exception_handler(OpenAIError)
@@ -491,7 +605,7 @@ def create_app(settings: FrontendSettings, tokenizer):
         _check_model(body.model, settings.model)
         triton = to_triton(body, tokenizer, settings.context)
         shape = ResponseShape(chat, settings.model)
-        chunks = app.state.gateway.generate(triton)
+        chunks = until_shutdown(app.state.gateway.generate(triton), app.state.shutdown)
         if not triton.stream:
             return await _unless_disconnected(request, whole_answer(chunks, triton, shape))
         first = await chunks.__anext__()  # a refusal comes before the first token: answered as an HTTP error
@@ -547,25 +661,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level (info: one line per request)")
+    parser.add_argument("--drain-timeout", type=float, default=10.0,
+                        help="at SIGTERM/SIGINT, seconds open requests may still run; then each ends with finish "
+                             "reason 'cancelled' (a stream with its final chunk and data: [DONE])")
     args = parser.parse_args(argv)
-    import uvicorn
+    if args.drain_timeout < 0:
+        parser.error(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
 
     tokenizer, context = load_text_side(args.engine)
-    app = create_app(FrontendSettings(args.grpc_url, context, args.model), tokenizer)
-    # uvicorn handles SIGINT/SIGTERM: open streams get 5 s, then they are closed (cancelling their requests).
-    # After its shutdown it raises the signal again for the handler it found: exit 0, a stop we were asked for.
+    app = create_app(FrontendSettings(args.grpc_url, context, args.model, args.drain_timeout), tokenizer)
+    serving = _server(app, args)
+    # Before uvicorn takes over the signals (loading the tokenizer), a stop request exits at once. uvicorn
+    # raises the signal again after its shutdown, for the handler it found: then nothing is left to do.
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        signal.signal(signum, lambda *_: None if serving.started else sys.exit(0))
+    serving.run()
     return 0
+
+
+def _server(app, args):
+    """uvicorn's server, whose stop signal also starts the app's drain (:class:`Shutdown`): it then waits
+    for the open requests, which end within the drain, instead of cancelling them mid-response."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            app.state.shutdown.request()
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout + _SHUTDOWN_MARGIN_S)
+    return DrainingServer(config)
 
 
 class FrontendProcess:
     """The frontend as a child process of ``clover serve``: started after tritonserver is ready, stopped first."""
 
     def __init__(self, engine_dir: str | Path, grpc_url: str, port: int, host: str = "0.0.0.0",
-                 model: str = MODEL_NAME, log_file: str | Path | None = None) -> None:
+                 model: str = MODEL_NAME, log_file: str | Path | None = None, drain_s: float = 10.0) -> None:
         self.engine_dir, self.grpc_url, self.port, self.host, self.model = engine_dir, grpc_url, port, host, model
+        self.drain_s = drain_s
         self.log_file = Path(log_file) if log_file is not None else None
         self.process: subprocess.Popen | None = None
         self._log_handle = None
@@ -577,7 +712,8 @@ class FrontendProcess:
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "clover.serving.openai_frontend", "--engine", str(self.engine_dir),
-                "--grpc-url", self.grpc_url, "--model", self.model, "--host", self.host, "--port", str(self.port)]
+                "--grpc-url", self.grpc_url, "--model", self.model, "--host", self.host, "--port", str(self.port),
+                "--drain-timeout", str(self.drain_s)]
 
     def start(self) -> "FrontendProcess":
         from clover.demo import checkout_root
@@ -618,16 +754,18 @@ class FrontendProcess:
                 raise ServerError(f"the OpenAI frontend was not ready at {self.url} after {timeout_s:.0f} s")
             time.sleep(0.25)
 
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM (uvicorn's graceful shutdown), SIGKILL by PID after ``timeout_s``; returns the exit code."""
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGTERM (the drain: open requests end within ``drain_s``), SIGKILL by PID after ``timeout_s``
+        (default: the drain and uvicorn's margin, plus 10 s) or at a second Ctrl-C; returns the exit code."""
         if self.process is None:
             return None
+        timeout_s = self.drain_s + _SHUTDOWN_MARGIN_S + 10 if timeout_s is None else timeout_s
         try:
             if self.process.poll() is None:
                 self.process.send_signal(signal.SIGTERM)
                 try:
                     self.process.wait(timeout_s)
-                except subprocess.TimeoutExpired:
+                except (subprocess.TimeoutExpired, KeyboardInterrupt):
                     self.process.kill()
                     self.process.wait(10)
             return self.process.returncode
