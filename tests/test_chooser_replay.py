@@ -42,7 +42,8 @@ def test_tables_equal_the_decode_loops_acceptance():
     prompts = random_prompts(5, 3, 23, 2, 8)
     continuations, tables = _tables(engine, prompts, budget=8)
     assert continuations == hf_greedy(target, prompts, NEW)
-    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8, adaptive=False))
+    # the replay models the heads' acceptance: the heads alone (no suffix candidates)
+    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8, adaptive=False, proposer="none"))
     results = decoder.generate([GenerationRequest(p, NEW, stop_token_ids=()) for p in prompts])
     steps = 0
     for result, table in zip(results, tables):
