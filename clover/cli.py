@@ -40,7 +40,7 @@ def add_generate_parser(subparsers) -> None:
     src.add_argument("--prompt", help="one user message; the answer streams to the terminal")
     src.add_argument("--prompts-file", type=Path, help='JSONL file of {"id": ..., "prompt": ...} lines')
     p.add_argument("--output", type=Path, help="JSONL results for --prompts-file (default: stdout)")
-    p.add_argument("--summary", type=Path, help="write totals (new tokens, decode seconds, tokens/s, tokens/step) as JSON")
+    p.add_argument("--summary", type=Path, help="write totals (new tokens, decode seconds, tokens/s, tokens/step, acceptance rate) as JSON")
     p.add_argument("--target", default="demo", help="Hugging Face checkpoint directory, or 'demo' for the embedded SmolLM2-135M-Instruct")
     p.add_argument("--cache-dir", help="where the demo checkpoint is converted to (default: $CLOVER_CACHE_DIR or ~/.cache/clover)")
     p.add_argument("--engine", type=Path, help="built engine directory (export/build_engine.py); replaces "
@@ -180,8 +180,8 @@ def cmd_generate(args) -> int:
     if args.prompt is None:
         _write_results(results, args.output)
     summary = summarize(results, seconds, args.method)
-    print(f"[clover] {args.method}: {summary['new_tokens']} tokens in {summary['decode_seconds']:.2f} s "
-          f"({summary['tokens_per_second']:.1f} tok/s, {summary['tokens_per_step']:.2f} tokens/step)", file=sys.stderr)
+    for line in summary_lines(summary):
+        print(line, file=sys.stderr)
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=2) + "\n")
     return 0
@@ -192,6 +192,8 @@ def summarize(results, seconds: float, method: str) -> dict:
 
     new_tokens = sum(len(r.token_ids) for r in results)
     steps = sum(r.stats.num_steps for r in results)
+    accepted = sum(sum(r.stats.accepted_per_step) for r in results)
+    drafted = sum(r.stats.num_draft_tokens for r in results)
     return {
         "method": method,
         "num_prompts": len(results),
@@ -200,7 +202,22 @@ def summarize(results, seconds: float, method: str) -> dict:
         "tokens_per_second": new_tokens / seconds if seconds > 0 else 0.0,
         "tokens_per_step": tokens_per_step(new_tokens, steps, len(results)),
         "num_steps": steps,
+        # the share of the drafted tree nodes that the target accepted (docs/trees.md#verification)
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "accepted_draft_tokens": accepted,
+        "draft_tokens": drafted,
     }
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """What ``clover generate`` says at the end: speed, tokens/step, acceptance rate, and how to compare."""
+    line = (f"[clover] {summary['method']}: {summary['new_tokens']} tokens in {summary['decode_seconds']:.2f} s "
+            f"({summary['tokens_per_second']:.1f} tok/s, {summary['tokens_per_step']:.2f} tokens/step")
+    if summary["method"] == "vanilla":
+        return [line + ")"]
+    return [line + f", acceptance rate {summary['acceptance_rate']:.2f}: {summary['accepted_draft_tokens']} of "
+                   f"{summary['draft_tokens']} draft tokens accepted)",
+            "[clover] to compare: the same command with --method vanilla decodes without drafts (greedy: the same text)"]
 
 
 def add_serve_parser(subparsers) -> None:

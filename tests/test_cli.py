@@ -1,6 +1,7 @@
 """`clover generate` on a tiny random checkpoint with a tiny byte-level tokenizer."""
 
 import json
+import re
 
 import pytest
 
@@ -54,6 +55,12 @@ def test_batch_generation_is_lossless_and_well_formed(tmp_path, tiny_checkpoint)
     for summary in (v_summary, c_summary):
         assert summary["new_tokens"] == sum(r["new_tokens"] for r in vanilla)
         assert summary["decode_seconds"] > 0 and summary["tokens_per_second"] > 0
+    assert (v_summary["draft_tokens"], v_summary["accepted_draft_tokens"], v_summary["acceptance_rate"]) == (0, 0, 0.0)
+    # a step yields its accepted drafts plus one token; the tokens past one per step are accepted drafts (a
+    # sequence's last step may accept more than max_new_tokens keeps)
+    assert c_summary["accepted_draft_tokens"] >= c_summary["new_tokens"] - 3 - c_summary["num_steps"]
+    assert 0 < c_summary["draft_tokens"] <= 6 * c_summary["num_steps"]  # budget 6 nodes per step at most
+    assert c_summary["acceptance_rate"] == c_summary["accepted_draft_tokens"] / c_summary["draft_tokens"]
 
 
 def test_clover2_generation_equals_vanilla(tmp_path, tiny_checkpoint):
@@ -74,7 +81,14 @@ def test_prompt_streams_text(tmp_path, tiny_checkpoint, capsys):
                  "--method", "clover"]) == 0
     captured = capsys.readouterr()
     assert captured.out == rows[0]["text"] + "\n"
-    assert "tokens/step" in captured.err
+    said = captured.err.splitlines()
+    assert re.fullmatch(r"\[clover\] clover: \d+ tokens in [\d.]+ s \([\d.]+ tok/s, [\d.]+ tokens/step, acceptance "
+                        r"rate [\d.]+: \d+ of \d+ draft tokens accepted\)", said[-2]), said
+    assert "--method vanilla" in said[-1]  # how to compare
+    assert main(["generate", "--target", str(tiny_checkpoint), "--prompt", "hello there", "--max-new-tokens", "20",
+                 "--method", "vanilla"]) == 0
+    said = capsys.readouterr().err.splitlines()
+    assert said[-1].startswith("[clover] vanilla: ") and "acceptance" not in said[-1], said
 
 
 def test_help_explains_every_option(capsys):
