@@ -132,3 +132,14 @@ def test_build_engine_refuses_an_unknown_proposer_before_building(tmp_path):
 
     with pytest.raises(ConfigError, match="unknown proposer 'ngram'"):
         BuildOptions(proposer="ngram").validated()
+
+
+def test_the_serving_parameter_and_the_cli_refuse_an_unknown_proposer(capsys):
+    from clover.cli import main
+    from clover.serving.served_engine import load_serving_engine
+
+    with pytest.raises(ConfigError, match="proposer='ngram': choose auto, suffix, none"):
+        load_serving_engine("no-such-engine", proposer="ngram")  # refused before the engine is even looked at
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "hi", "--proposer", "ngram"])
+    assert "invalid choice: 'ngram'" in capsys.readouterr().err
