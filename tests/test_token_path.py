@@ -250,3 +250,22 @@ def test_training_runs_each_token_path_and_saves_heads_that_decode(token_path, t
         assert float(heads.regressive.token_scale) > 2.0
     prompts = random_prompts(14, 2, target.config.vocab_size, 2, 12)
     assert _generate(TorchEngine(target, heads.float(), max_seq_len=128), prompts) == hf_greedy(target, prompts, MAX_NEW)
+
+
+def test_topk_distillation_loss_is_the_soft_cross_entropy_over_the_targets_top_k():
+    """HASS's top-K term: -sum over the target's K likeliest tokens of p log q; with K = V it is the soft CE."""
+    gen = torch.Generator().manual_seed(0)
+    logits, target_logits = torch.randn(5, 11, generator=gen), torch.randn(5, 11, generator=gen) * 3
+    probs = torch.softmax(target_logits, -1)
+    rows = train_mod.DraftRows(None, torch.zeros(11, 4), None)
+    labels = torch.zeros(5, dtype=torch.long)
+
+    def loss(**spec):
+        return float(train_mod.head_loss(None, None, rows, None, logits, labels, None,
+                                         train_mod.LossSpec([1.0], "soft", **spec), probs))
+
+    soft = loss()
+    assert loss(topk_weight=1.0, topk_tokens=11) == pytest.approx(2 * soft, rel=1e-5)
+    top = probs.topk(3, -1)
+    manual = -(top.values * torch.log_softmax(logits, -1).gather(-1, top.indices)).sum()
+    assert loss(topk_weight=0.5, topk_tokens=3) == pytest.approx(soft + 0.5 * float(manual), rel=1e-5)

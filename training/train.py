@@ -112,6 +112,8 @@ class TrainConfig:
     head_decay: float = 1.0               # loss weight of head i: head_decay ** i
     labels: str = "hard"                  # "soft": the target's distribution (recomputed from last_hidden)
     regression_weight: float = 0.0        # Clover-2 SmoothL1 feature regression, relative to the CE's weight 1
+    topk_weight: float = 0.0              # HASS top-K distillation beside the CE, relative to the CE's weight 1
+    topk_tokens: int = 10                 # K of the top-K distillation loss
     autocast: str | None = None           # "bf16": mixed precision (fp32 weights, bf16 matmuls; fast on AMX/GPU)
     seed: int = 0
     save_every: int = 20
@@ -139,7 +141,7 @@ class TrainConfig:
     @property
     def needs_target_hidden(self) -> bool:
         """Whether the loss reads the target's last hidden state at the label positions."""
-        return self.labels == "soft" or self.regression_weight > 0
+        return self.labels == "soft" or self.regression_weight > 0 or self.topk_weight > 0
 
     def resume_key(self) -> dict:
         key = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUME_FREE}
@@ -149,6 +151,8 @@ class TrainConfig:
             del key["init"]
         if self.token_path == "residual":  # likewise for runs from before --token-path
             del key["token_path"]
+        if not self.topk_weight:  # likewise for runs from before --topk-weight
+            del key["topk_weight"], key["topk_tokens"]
         return key
 
 
@@ -401,10 +405,12 @@ class LossSpec:
     weights: list[float]
     labels: str = "hard"
     regression_weight: float = 0.0
+    topk_weight: float = 0.0  # HASS (arXiv 2408.15766) top-K distillation: -sum_{v in top-K of p} p(v) log q(v)
+    topk_tokens: int = 10
 
     @property
     def needs_target_hidden(self) -> bool:
-        return self.labels == "soft" or self.regression_weight > 0
+        return self.labels == "soft" or self.regression_weight > 0 or self.topk_weight > 0
 
 
 class SoftLabels:
@@ -446,6 +452,10 @@ def head_loss(drafter: Drafter, target, rows: DraftRows, feature: torch.Tensor, 
         loss = nn.functional.cross_entropy(logits, rows.to_columns(labels), reduction="sum", ignore_index=-100)
     else:
         loss = soft_cross_entropy(logits, target_probs)
+    if spec.topk_weight and target_probs is not None:
+        top = target_probs.topk(min(spec.topk_tokens, target_probs.shape[-1]), dim=-1)  # the target's K likeliest tokens
+        log_q = torch.log_softmax(logits, dim=-1).gather(-1, top.indices)
+        loss = loss - spec.topk_weight * (top.values * log_q).sum()
     if spec.regression_weight:
         goal = regression_target(drafter, target, last_hidden).float()
         loss = loss + spec.regression_weight * nn.functional.smooth_l1_loss(
@@ -473,7 +483,7 @@ def _count_hits(stats: dict, head: int, logits: torch.Tensor, labels: torch.Tens
 
 def run_batch(drafter: Drafter, target, lm_head_weight: torch.Tensor, batch: Batch, *, row_chunk: int,
               weights: list[float], train: bool, topk: tuple[int, ...] = (1,), labels: str = "hard",
-              regression_weight: float = 0.0) -> dict:
+              regression_weight: float = 0.0, topk_weight: float = 0.0, topk_tokens: int = 10) -> dict:
     """Forward (and backward when ``train``) over one batch, LM head in chunks of roots.
 
     The loss is ``sum_i w_i * mean_i(CE + regression_weight * SmoothL1)`` (:func:`head_loss`).
@@ -483,7 +493,7 @@ def run_batch(drafter: Drafter, target, lm_head_weight: torch.Tensor, batch: Bat
     top-k hits and, when the target's hidden states are read, its top-1's hits (``agree``).
     """
     num_heads = drafter.config.num_heads
-    spec = LossSpec(weights, labels, regression_weight)
+    spec = LossSpec(weights, labels, regression_weight, topk_weight, topk_tokens)
     roots = find_roots(batch, num_heads)
     counts = roots.valid.sum(0)
     read_target = batch.x_last is not None and (spec.needs_target_hidden or not train)
@@ -502,7 +512,8 @@ def run_batch(drafter: Drafter, target, lm_head_weight: torch.Tensor, batch: Bat
         with torch.set_grad_enabled(train):
             loss = leaf.new_zeros(())
             chunk_rows = torch.arange(h_rows.shape[0], device=h_rows.device)[sl]
-            soft = SoftLabels(target, scored, batch.x_last, roots, sl) if read_target and labels == "soft" else None
+            soft = (SoftLabels(target, scored, batch.x_last, roots, sl)
+                    if read_target and (labels == "soft" or topk_weight) else None)
             for i, rows, feature, logits in head_outputs(drafter, lm_head_weight, leaf[sl], roots.tok_in[sl],
                                                          roots.valid[sl], scored.weight):
                 label = roots.labels[sl][rows, i]
@@ -633,7 +644,8 @@ class _Trainer:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bf16"):
                 part = run_batch(self.drafter, self.target, self.lm_head_weight, prepare(batch) if prepare else batch,
                                  row_chunk=self.cfg.row_chunk, weights=shares, train=True, labels=self.cfg.labels,
-                                 regression_weight=self.cfg.regression_weight)
+                                 regression_weight=self.cfg.regression_weight, topk_weight=self.cfg.topk_weight,
+                                 topk_tokens=self.cfg.topk_tokens)
             summed += torch.tensor([part["loss"], *part["count"], *part["hits"][1]], dtype=torch.float64)
         summed = self.dist.sum(summed.to(self.device)).cpu()
         self.dist.sum_gradients(self.params)
@@ -953,10 +965,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo' (only its LM head and shape are used)")
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     for name in ("num_heads", "decoder_heads", "save_every", "log_every", "epochs", "max_tokens", "batch_tokens",
-                 "bucket_size", "row_chunk", "seed", "warmup_steps", "threads"):
+                 "bucket_size", "row_chunk", "seed", "warmup_steps", "threads", "topk_tokens"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=fields[name].default)
     for name in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip", "head_decay", "init_noise_std",
-                 "regression_weight"):
+                 "regression_weight", "topk_weight"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=fields[name].default)
     parser.add_argument("--eval-every", type=int, default=0, help="steps between learning-curve points (eval_log.jsonl)")
     parser.add_argument("--eval-conversations", type=int, default=200, help="held-out conversations per curve point")
