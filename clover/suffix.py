@@ -228,10 +228,9 @@ def build_proposal(rows: np.ndarray, max_nodes: int, match_length: int) -> Suffi
         return _chain(rows[0], max_nodes, match_length)
     build = _trie_python if k * depth <= PYTHON_TRIE_CELLS else _trie_numpy
     nodes, place = _level_order(build(rows, max_nodes))
-    return SuffixProposal(tokens=np.array([node[1] for node in nodes], dtype=np.int64),
-                          parents=np.array([place.get(node[2], -1) for node in nodes], dtype=np.int64),
-                          depths=np.array([node[3] + 1 for node in nodes], dtype=np.int64),
-                          counts=np.array([node[4] for node in nodes], dtype=np.int64),
+    columns = np.array([(token, place.get(parent, -1), node_depth + 1, count)
+                        for _, token, parent, node_depth, count in nodes], dtype=np.int64).reshape(-1, 4).T.copy()  # [4, n]
+    return SuffixProposal(tokens=columns[0], parents=columns[1], depths=columns[2], counts=columns[3],
                           total=int(k), match_length=int(match_length))
 
 
