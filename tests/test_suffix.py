@@ -276,7 +276,9 @@ def test_shared_index_evicts_the_oldest_outputs_and_stays_under_its_cap():
     index = SharedSuffixIndex(max_tokens=2000)
     added = []
     for i in range(400):  # 20x max_tokens
-        output = [1000 + i] + random_text(rng, rng.randint(16, 180), 50)
+        size = rng.randint(16, 180)  # small alphabets and loops make the most automaton states per token
+        body = [7] * size if i % 5 == 0 else random_text(rng, size, rng.choice([2, 50, 50_000]))
+        output = [100_000 + i] + body
         index.add(output)
         added.append(output)
         assert index.num_tokens <= 2000
@@ -284,8 +286,8 @@ def test_shared_index_evicts_the_oldest_outputs_and_stays_under_its_cap():
     kept = index.outputs()
     assert kept == added[len(added) - len(kept):], "not the newest outputs, in order"
     assert index.num_tokens + len(added[-len(kept) - 1]) > 2000, "evicted more than needed"
-    assert index.propose([1000 + 3], 4, 4).match_length == 0, "an evicted output is still proposed"
-    assert index.propose([1000 + 399], 4, 4).tokens[0] == added[-1][1]
+    assert index.propose([100_000 + 3], 4, 4).match_length == 0, "an evicted output is still proposed"
+    assert index.propose([100_000 + 399], 4, 4).tokens[0] == added[-1][1]
     assert SharedSuffixIndex(max_tokens=5).add([1, 2, 3, 4, 5, 6, 7]) is None
 
 
