@@ -16,7 +16,7 @@ from tests.conftest import make_drafter, write_tiny_checkpoint
 from tests.helpers import hf_greedy
 
 quiet = dict(progress=lambda message: None)
-METHODS = ["vanilla", "medusa", "clover", "adaptive-clover", "default-clover"]
+METHODS = ["vanilla", "medusa", "clover", "clover+suffix", "suffix", "adaptive-clover", "default-clover", "default-heads"]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,10 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
             assert sample["draft_ms"] == 0
         elif sample["method"] in ("clover", "medusa"):  # fixed budgets draft every step; adaptive ones may not
             assert sample["draft_ms"] > 0
+        elif sample["method"] == "suffix":  # the proposer alone never calls the heads; its host time is reported
+            assert sample["draft_ms"] == 0 and sample["proposer_ms"] >= 0
+        if sample["method"] in ("clover+suffix", "suffix", "default-clover"):  # each source's counts
+            assert set(sample["source_counts"]) == {"heads", "suffix"}
     assert report["sweeps"]["budget"]["methods"]["clover"]["x"] == [1, 4, 8]
     heads = report["sweeps"]["heads"]["methods"]["clover"]
     assert heads["x"] == [1, 2, 3]
@@ -158,7 +162,9 @@ from clover.bench import run_key  # noqa: E402
 
 REAL_RUN_DECODE = bench_module.run_decode
 NEW_TOKENS = 6  # the warm-ups decode min(4, NEW_TOKENS) = 4 tokens: that tells them from the measurements
-BATCH_NAMES = ["vanilla", "medusa", "clover", "adaptive-clover", "default-clover"]
+BATCH_NAMES = ["vanilla", "medusa", "clover", "clover+suffix", "suffix", "adaptive-clover", "default-clover",
+               "default-heads"]
+CUT = len(BATCH_NAMES) * 2 * 3 // 2  # the batch sweep's repeat 0 (batch 1 and 2) and half of its repeat 1
 
 
 class Interrupted(Exception):
@@ -216,10 +222,10 @@ def test_a_killed_run_resumes_where_it_stopped(engines, tmp_path, monkeypatch, c
                             "--adaptive-max-budget", "4", "--repeats", "2")
     expected = sorted([("batch", name, b, r) for name in BATCH_NAMES for b in (1, 2) for r in (0, 1)]
                       + heads_keys(2))
-    first = RecordedDecodes(monkeypatch, stop_after=15)  # the batch sweep's repeat 0 and half of its repeat 1
+    first = RecordedDecodes(monkeypatch, stop_after=CUT)
     with pytest.raises(Interrupted):
         bench_main(command + ["--silent"])
-    assert len(first.measured) == 15 and stored_keys(out) == first.measured  # each kept as it was measured
+    assert len(first.measured) == CUT and stored_keys(out) == first.measured  # each kept as it was measured
     assert not (out / "bench.json").exists()
 
     def no_calibration(*args, **kwargs):
@@ -228,7 +234,7 @@ def test_a_killed_run_resumes_where_it_stopped(engines, tmp_path, monkeypatch, c
     monkeypatch.setattr(clover.adaptive, "calibrate", no_calibration)
     second = RecordedDecodes(monkeypatch)
     assert bench_main(command) == 0  # not --silent: same run key
-    assert len(second.measured) == len(expected) - 15 and not set(first.measured) & set(second.measured)
+    assert len(second.measured) == len(expected) - CUT and not set(first.measured) & set(second.measured)
     assert report_keys(out) == expected  # every sample exactly once, old and new
     # warm-ups: once per configuration measured in this process, none for those the first run finished
     finished = {k[:3] for k in first.measured if first.measured.count(k[:3] + (1 - k[3],))}
@@ -246,7 +252,7 @@ def test_a_killed_run_resumes_where_it_stopped(engines, tmp_path, monkeypatch, c
     for entry in report["sweeps"]["batch"]["methods"].values():
         assert [s["n"] for s in entry["tokens_per_s"]] == [2, 2]
     err = capsys.readouterr().err
-    assert f"resumed 15 samples from {out / 'samples.jsonl'}; {len(expected) - 15} left to measure" in err
+    assert f"resumed {CUT} samples from {out / 'samples.jsonl'}; {len(expected) - CUT} left to measure" in err
     assert "heads clover x=3 repeat 1" in err  # the progress bar names what it measures
 
 
