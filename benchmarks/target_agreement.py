@@ -101,6 +101,20 @@ class LlamaCppGreedy:
         return llama_greedy(self.llama, prompt, max_new, eos)
 
 
+def _resume(path: Path, names: list[str]) -> tuple[dict[str, list[dict]], set]:
+    """The rows of the questions a killed run finished (``path``: one JSON line per question), and their ids."""
+    rows: dict[str, list[dict]] = {name: [] for name in names}
+    done = set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if set(entry["rows"]) == set(names):
+                done.add(entry["id"])
+                for name in names:
+                    rows[name].append(entry["rows"][name])
+    return rows, done
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reference", required=True, help="the fp32 engine directory")
@@ -119,8 +133,9 @@ def main(argv=None) -> int:
     others = {path: load_engine(path, threads=args.threads) for path in args.engines.split(",")}
     if args.llama_cpp:
         others["llama.cpp"] = LlamaCppGreedy(args.threads)
-    rows: dict[str, list[dict]] = {name: [] for name in others}
-    for question in tqdm(mtbench_first_turns(limit=args.questions), desc="questions", file=sys.stderr):
+    rows, done = _resume(Path(args.output).with_suffix(".jsonl"), list(others))
+    questions = [q for q in mtbench_first_turns(limit=args.questions) if q["id"] not in done]
+    for question in tqdm(questions, desc="questions", file=sys.stderr):
         prompt = encode_prompt(tokenizer, question["prompt"])
         want = greedy(reference, prompt, args.max_new_tokens, eos)
         reference_logits = full_pass_logits(reference, prompt + want)
@@ -132,6 +147,8 @@ def main(argv=None) -> int:
                 tokens = engine.greedy(prompt, args.max_new_tokens, eos) if llama else \
                     greedy(engine, prompt, args.max_new_tokens, eos)
             rows[name].append({"id": question["id"], **compare(want, reference_logits, logits, tokens, len(prompt))})
+        with Path(args.output).with_suffix(".jsonl").open("a") as f:  # one line per question: a killed run resumes
+            f.write(json.dumps({"id": question["id"], "rows": {name: r[-1] for name, r in rows.items()}}) + "\n")
     report = {"reference": args.reference, "max_new_tokens": args.max_new_tokens,
               "summary": {name: summarize(r) for name, r in rows.items()}, "questions": rows}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

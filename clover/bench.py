@@ -524,7 +524,7 @@ def _load_llamacpp(args, engine, notes: list[str]) -> dict:
     """llama.cpp instances for the ``llamacpp`` sweep (greedy, prompt lookup), or {} with a note where it
     cannot run: llama-cpp-python missing, or the engine's target is not the demo GGUF's model."""
     from clover.demo import DEMO_NAME
-    from clover.llamacpp import build_info, load_llama
+    from clover.llamacpp import build_info, load_llama, wait_policy
 
     if Path(str(engine.meta.source.get("target"))).name != DEMO_NAME:  # the demo checkpoint's cache directory
         notes.append("llama.cpp sweep skipped: the engine's target is not the demo GGUF's model.")
@@ -538,7 +538,8 @@ def _load_llamacpp(args, engine, notes: list[str]) -> dict:
         return {}
     info = build_info()
     notes.append(f"llama.cpp: llama-cpp-python {info['llama_cpp_python']} ({info['system_info']}), "
-                 f"{args.threads or os.cpu_count()} threads, prompt lookup {args.llamacpp_lookup} tokens.")
+                 f"{args.threads or os.cpu_count()} threads, prompt lookup {args.llamacpp_lookup} tokens, "
+                 f"OMP_WAIT_POLICY {wait_policy()} (PASSIVE: set it when starting the bench, docs/quantized-target.md).")
     return llamas
 
 

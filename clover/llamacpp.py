@@ -8,6 +8,7 @@ it builds from source (a few minutes on 2 cores), so it is an optional extra, ne
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -19,7 +20,12 @@ INSTALL_HINT = (f'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python=={L
 
 
 def require_llama_cpp():
-    """The ``llama_cpp`` module, or ConfigError saying how to install it."""
+    """The ``llama_cpp`` module, or ConfigError saying how to install it.
+
+    llama.cpp's OpenMP threads spin between ops unless ``OMP_WAIT_POLICY=PASSIVE`` is in the environment when
+    the process starts (torch loads the same libgomp first, and it reads the variable then): see
+    :func:`wait_policy`.
+    """
     try:
         import llama_cpp
     except ImportError:
@@ -65,6 +71,14 @@ def run_llamacpp(llama, prompt: list[int], max_new: int) -> dict:
     seconds = time.perf_counter() - start
     return {"tokens": len(tokens), "seconds": seconds, "tokens_per_s": len(tokens) / seconds,
             "tokens_per_step": None}
+
+
+def wait_policy() -> str:
+    """The OpenMP wait policy llama.cpp runs with. Passive is the fair match for onnxruntime here (its threads do
+    not spin: ``allow_spinning`` 0, clover/backends/onnxruntime.py); spinning threads take the cores other work
+    needs, and on a loaded 2-core machine llama.cpp ran at 1-4 tokens/s spinning against 22-43 passive
+    (docs/quantized-target.md#against-llamacpp)."""
+    return os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP's default: threads spin between ops)")
 
 
 def build_info() -> dict:

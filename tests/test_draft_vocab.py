@@ -275,7 +275,7 @@ def test_a_demo_engine_without_the_shipped_vocabulary_is_rebuilt(tmp_path):
     from clover.adaptive import CostModel
     from clover.demo import resolve_drafter
     from clover.engine_dir import EngineLimits, EngineMeta
-    from clover.export.builder import demo_engine_is_current, heads_digest
+    from clover.export.builder import DEMO_TARGET_COMPUTE, DEMO_TARGET_WEIGHTS, demo_engine_is_current, heads_digest
     from tests.conftest import tiny_target_config
 
     heads = resolve_drafter(None, "demo")
@@ -290,6 +290,6 @@ def test_a_demo_engine_without_the_shipped_vocabulary_is_rebuilt(tmp_path):
         drafter_config = DrafterConfig.from_dict({**shipped.to_dict(), "draft_vocab_size": size})
         EngineMeta(backend="onnxruntime", dtype="fp32", attention="standard", files={}, tensors={}, num_kv_layers=3,
                    limits=EngineLimits(1, 1, 64), target_config=tiny_target_config(), drafter_config=drafter_config,
-                   source={"drafter": heads, "drafter_sha256": digest},
-                   cost_model=CostModel(target=[[1, 0.1]])).write(tmp_path)
+                   source={"drafter": heads, "drafter_sha256": digest}, cost_model=CostModel(target=[[1, 0.1]]),
+                   target_quantization={"weights": DEMO_TARGET_WEIGHTS, "compute": DEMO_TARGET_COMPUTE}).write(tmp_path)
         assert demo_engine_is_current(tmp_path) == current

@@ -22,7 +22,7 @@ from clover.config import ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.drafters import save_drafter
 from clover.export.builder import build_engine
-from clover.export.target_weights import (StoredWeight, check_quantizable, pack_matmul_nbits, quantize_gguf,
+from clover.export.target_weights import (LAYER_LINEARS, StoredWeight, check_quantizable, pack_matmul_nbits, quantize_gguf,
                                           quantize_int8_channel, quantize_target, read_gguf_target)
 from clover.target import load_target
 from tests.conftest import make_drafter, write_tiny_checkpoint
@@ -126,6 +126,7 @@ def test_a_synthetic_gguf_reads_back_in_hugging_face_order(tmp_path):
         assert np.array_equal(weight.data, expected[name].data), name
 
 
+@pytest.mark.slow
 def test_one_real_layer_of_the_demo_gguf(tmp_path):
     """The demo GGUF's first layer (Q4_1) and its embedding / LM head (Q8_0): the engine's MatMul applies exactly
     what the gguf package dequantises from the file."""
@@ -148,9 +149,10 @@ def test_one_real_layer_of_the_demo_gguf(tmp_path):
                        num_kv_heads=3, head_dim=64)
     weights = read_gguf_target(path, cfg)
     raw = {t.name: t for t in reader.tensors}
-    up = weights["layers.0.mlp.up_proj.weight"]
-    by_gguf = gguf.quants.dequantize(np.asarray(raw["blk.0.ffn_up.weight"].data), gguf.GGMLQuantizationType.Q4_1)
-    assert np.array_equal(_matmul_nbits_weight(up, "fp32", tmp_path), by_gguf)
+    for ours in ("mlp.up_proj", "mlp.gate_proj", "mlp.down_proj", "self_attn.v_proj", "self_attn.o_proj"):
+        theirs = raw[f"blk.0.{LAYER_LINEARS[ours]}.weight"]  # q/k: their rows are permuted (the next test)
+        by_gguf = gguf.quants.dequantize(np.asarray(theirs.data), gguf.GGMLQuantizationType.Q4_1)
+        assert np.array_equal(_matmul_nbits_weight(weights[f"layers.0.{ours}.weight"], "fp32", tmp_path), by_gguf)
     head = weights["lm_head.weight"]
     rows = StoredWeight("q8_0", (512, 576), head.data[:512])  # 512 of the 49,152 rows keep it small
     by_gguf = gguf.quants.dequantize(np.asarray(raw["token_embd.weight"].data[:512]), gguf.GGMLQuantizationType.Q8_0)
@@ -349,3 +351,27 @@ def test_engine_json_records_the_target_quantization(built):
     nodes = [n for n in graph.node if n.op_type == "MatMulNBits"]
     assert len(nodes) == 2 * 4 + 1  # per layer: q/k/v, o, gate/up, down; the LM head
     assert {a.i for n in nodes for a in n.attribute if a.name == "accuracy_level"} == {4}
+
+
+def test_a_demo_engine_without_the_default_target_weights_is_rebuilt(tmp_path):
+    """``clover generate`` / ``clover serve --demo`` rebuild engines/demo when it was built with other target
+    weights than the default (an fp32 engine from before the quantized default included)."""
+    from clover.adaptive import CostModel
+    from clover.config import DrafterConfig
+    from clover.demo import resolve_drafter
+    from clover.engine_dir import EngineLimits, EngineMeta
+    from clover.export.builder import DEMO_TARGET_COMPUTE, DEMO_TARGET_WEIGHTS, demo_engine_is_current, heads_digest
+    from tests.conftest import tiny_target_config
+
+    heads = resolve_drafter(None, "demo")
+    if heads is None:
+        pytest.skip("this install ships no demo heads")
+    drafter_config = DrafterConfig.load(f"{heads}/config.json")
+    default = {"weights": DEMO_TARGET_WEIGHTS, "compute": DEMO_TARGET_COMPUTE}
+    for quantization, current in [(default, True), (None, False), ({**default, "compute": "fp32"}, False),
+                                  ({"weights": "int8", "compute": "int8"}, DEMO_TARGET_WEIGHTS == "int8")]:
+        EngineMeta(backend="onnxruntime", dtype="fp32", attention="standard", files={}, tensors={}, num_kv_layers=3,
+                   limits=EngineLimits(1, 1, 64), target_config=tiny_target_config(), drafter_config=drafter_config,
+                   source={"drafter": heads, "drafter_sha256": heads_digest(heads)},
+                   cost_model=CostModel(target=[[1, 0.1]]), target_quantization=quantization).write(tmp_path)
+        assert demo_engine_is_current(tmp_path) == current, quantization

@@ -363,7 +363,9 @@ def calibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None, 
     engine = load_engine(engine_dir)
     meta, limits = engine.meta, engine.meta.limits
     max_tokens = max_tokens or min(256, limits.max_batch * (1 + limits.max_tree))
-    source = f"{meta.backend} {meta.dtype} on {platform.machine()} {platform.processor() or ''}".strip()
+    quantized = meta.target_quantization
+    precision = f"{quantized['weights']} weights, {quantized['compute']} compute" if quantized else meta.dtype
+    source = f"{meta.backend} {precision} on {platform.machine()} {platform.processor() or ''}".strip()
     return calibrate(engine, max_tokens=max_tokens, repeats=repeats, source=source)
 
 
@@ -382,7 +384,7 @@ def recalibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None
 
 def demo_engine_is_current(engine_dir: str | Path) -> bool:
     """True when ``engine_dir`` holds a demo engine built the default way: the shipped heads as they are now
-    (same weights, same draft vocabulary), a cost model."""
+    (same weights, same draft vocabulary), a cost model, the default target weights and compute."""
     from clover.demo import resolve_drafter
 
     try:
@@ -392,6 +394,9 @@ def demo_engine_is_current(engine_dir: str | Path) -> bool:
     heads = resolve_drafter(None, "demo")
     if meta.source.get("drafter") != heads or meta.cost_model is None:
         return False
+    quantized = meta.target_quantization or {}
+    if (quantized.get("weights", "fp32"), quantized.get("compute")) != (DEMO_TARGET_WEIGHTS, DEMO_TARGET_COMPUTE):
+        return False  # built before the quantized default, or with other --target-weights
     if meta.source.get("drafter_sha256") != heads_digest(heads):  # the shipped heads changed since the build
         return False
     shipped_vocab = DrafterConfig.load(Path(heads) / "config.json").draft_vocab_size if heads else 0
@@ -414,5 +419,6 @@ def ensure_demo_engine(engine_dir: str | Path | None = None,
     if not exists or (default and not demo_engine_is_current(engine_dir)):
         progress(f"building the demo engine in {engine_dir} (once, about a minute)")
         build_engine(engine_dir, "demo", overwrite=True, calibrate=True, progress=progress,
+                     target_weights=DEMO_TARGET_WEIGHTS, target_compute=DEMO_TARGET_COMPUTE,
                      draft_int8=default_draft_int8("onnxruntime", "fp32"))
     return engine_dir
