@@ -368,7 +368,8 @@ def test_a_demo_engine_without_the_default_target_weights_is_rebuilt(tmp_path):
         pytest.skip("this install ships no demo heads")
     drafter_config = DrafterConfig.load(f"{heads}/config.json")
     default = {"weights": DEMO_TARGET_WEIGHTS, "compute": DEMO_TARGET_COMPUTE}
-    for quantization, current in [(default, True), (None, False), ({**default, "compute": "fp32"}, False),
+    other_compute = "int8" if DEMO_TARGET_COMPUTE == "fp32" else "fp32"
+    for quantization, current in [(default, True), (None, False), ({**default, "compute": other_compute}, False),
                                   ({"weights": "int8", "compute": "int8"}, DEMO_TARGET_WEIGHTS == "int8")]:
         EngineMeta(backend="onnxruntime", dtype="fp32", attention="standard", files={}, tensors={}, num_kv_layers=3,
                    limits=EngineLimits(1, 1, 64), target_config=tiny_target_config(), drafter_config=drafter_config,

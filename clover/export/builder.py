@@ -81,7 +81,7 @@ class BuildOptions:
             raise ConfigError(f"--target-weights {self.target_weights} is for onnxruntime fp32 engines (onnxruntime's "
                               f"MatMulNBits); --backend {self.backend} --dtype {self.dtype} supports --target-weights "
                               "fp32 only")
-        compute = self.target_compute or DEFAULT_TARGET_COMPUTE
+        compute = self.target_compute or default_target_compute(self.target_weights)
         if compute not in TARGET_COMPUTE:
             raise ConfigError(f"unknown target compute {compute!r}; choose {', '.join(TARGET_COMPUTE)}")
         if self.target_weights == "int8" and compute != "int8":
@@ -90,10 +90,14 @@ class BuildOptions:
         return compute
 
 
-# Quantized targets run with int8 activations unless told otherwise (docs/quantized-target.md#compute).
-DEFAULT_TARGET_COMPUTE = "int8"
-# The demo engine's target: the GGUF's own 4-bit blocks, int8 compute (docs/quantized-target.md#the-default).
-DEMO_TARGET_WEIGHTS, DEMO_TARGET_COMPUTE = "q4", "int8"
+# The demo engine's target: the GGUF's own 4-bit blocks with fp32 activations, which keep the fp32 engine's
+# greedy answers; int8 activations change about 3% of MT-bench tokens (docs/quantized-target.md#the-default).
+DEMO_TARGET_WEIGHTS, DEMO_TARGET_COMPUTE = "q4", "fp32"
+
+
+def default_target_compute(target_weights: str) -> str:
+    """``fp32`` activations for q4 weights (the demo default's), ``int8`` for int8 weights (their only kernel)."""
+    return "int8" if target_weights == "int8" else "fp32"
 
 
 def default_target_weights(target: str | None, backend: str = "onnxruntime", dtype: str = "fp32") -> str:
@@ -319,7 +323,8 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
             ``draft_vocab_size``; docs/drafter.md#draft-vocabulary; lossless too); ``target_weights``
             (``fp32``, ``q4``: 4-bit MatMulNBits over Q4_1 blocks, the demo GGUF's own, ``int8``: per channel;
             onnxruntime fp32 engines; :mod:`clover.export.target_weights`, docs/quantized-target.md) and
-            ``target_compute`` (``fp32`` or ``int8`` activations in those MatMuls; default ``int8``).
+            ``target_compute`` (``fp32`` or ``int8`` activations in those MatMuls; default fp32 for q4, int8 for
+            int8).
         calibrate: time the built engine's ``target`` and ``draft_step`` (and ``draft_prefill``) for several
             token counts (up to ``calibrate_max_tokens``, default ``max_batch * (1 + max_tree)`` capped at 256)
             and store the cost model in ``engine.json`` (adaptive trees use it; :mod:`clover.adaptive`).
