@@ -540,10 +540,12 @@ class SpeculativeDecoder:
         return TreeMerge(proposals, self.tree.budget, self.calibration.factors(), min_prob)
 
     def _propose(self, seq: _Sequence, depth: int):
-        """The sequence's own suffix proposal, or the shared index's where that matched a longer suffix."""
-        proposal = seq.suffix.propose(depth, self.tree.budget)
+        """The sequence's own suffix proposal, or the shared index's where that matched a longer suffix. Each
+        offers twice the tree budget, so that the merge's calibrated scores, not the index's counts alone, pick
+        the nodes (MT-bench τ 2.118 -> 2.128 at budget 8, docs/results/suffix-tree)."""
+        proposal = seq.suffix.propose(depth, 2 * self.tree.budget)
         if self.shared_suffix is not None:
-            shared = self.shared_suffix.propose(seq.suffix_context(), depth, self.tree.budget)
+            shared = self.shared_suffix.propose(seq.suffix_context(), depth, 2 * self.tree.budget)
             if shared.match_length > proposal.match_length:
                 return shared
         return proposal
