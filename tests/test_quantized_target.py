@@ -376,3 +376,30 @@ def test_a_demo_engine_without_the_default_target_weights_is_rebuilt(tmp_path):
                    source={"drafter": heads, "drafter_sha256": heads_digest(heads)},
                    cost_model=CostModel(target=[[1, 0.1]]), target_quantization=quantization).write(tmp_path)
         assert demo_engine_is_current(tmp_path) == current, quantization
+
+
+def test_llama_cpp_is_optional(monkeypatch):
+    """llama-cpp-python is an optional extra: where it is missing the error says how to install it."""
+    import sys
+
+    from clover.llamacpp import INSTALL_HINT, require_llama_cpp
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    with pytest.raises(ConfigError, match="llama-cpp-python is not installed"):
+        require_llama_cpp()
+    assert "GGML_NATIVE" in INSTALL_HINT
+
+
+def test_bench_llamacpp_sweep_skips_an_engine_of_another_target(built, tmp_path):
+    """The llama.cpp line runs the demo GGUF: on an engine of another target it is skipped with a note (and the
+    sweep is not in the default set, so no other run loads llama.cpp)."""
+    from clover.bench import SWEEPS, main as bench_main
+
+    engines, _ = built
+    out = tmp_path / "bench"
+    assert "llamacpp" not in SWEEPS
+    assert bench_main(["--engine", str(engines["q4", "int8", "clover"]), "--sweeps", "llamacpp", "--quick",
+                       "--prompts", "builtin", "--output", str(out), "--silent"]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert "llamacpp" not in report["sweeps"]
+    assert any("llama.cpp sweep skipped" in note for note in report["notes"])
