@@ -1,4 +1,10 @@
-"""The real embedded SmolLM2-135M-Instruct (slow: converts the GGUF once, then decodes on CPU)."""
+"""The real embedded SmolLM2-135M-Instruct (slow: converts the GGUF once, then decodes on CPU).
+
+Each decoding of the prompts runs once for the module (the ``runs`` fixture): vanilla decoding, which
+every test checks against the reference, and the untrained heads' decoding, which is both a lossless
+check and the baseline of the shipped heads. The reference model is loaded once too
+(tests/helpers.py caches it and its greedy outputs).
+"""
 
 import pytest
 import torch
@@ -8,7 +14,7 @@ from clover.backends.torch import TorchEngine
 from clover.config import TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.drafters import Drafter
-from tests.helpers import greedy_deviations, hf_greedy, hf_next_logits
+from tests.helpers import greedy_deviations, hf_greedy, hf_model, hf_next_logits
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +38,48 @@ def demo():
     return path, load_target(path), load_tokenizer(path)
 
 
+class Runs:
+    """The chat-templated PROMPTS on the demo target and their decodings, each computed once."""
+
+    def __init__(self, demo) -> None:
+        _, self.target, tokenizer = demo
+        self.prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                      return_dict=False) for p in PROMPTS]
+        self.requests = [GenerationRequest(p, max_new_tokens=NEW_TOKENS, stop_token_ids=()) for p in self.prompts]
+        self._engines: dict = {}
+        self._results: dict = {}
+
+    def decode(self, engine, method: str) -> list:
+        if method == "vanilla":
+            return SpeculativeDecoder(engine, "vanilla").generate(self.requests)
+        return SpeculativeDecoder(engine, method, TreeConfig(budget=4)).generate(self.requests)
+
+    def untrained_engine(self, method: str, num_heads: int) -> TorchEngine:
+        """An engine with heads initialised from the target (deterministic: Drafter.from_target's seed)."""
+        if (method, num_heads) not in self._engines:
+            drafter = Drafter.untrained(self.target, method, num_heads)
+            self._engines[method, num_heads] = TorchEngine(self.target, drafter, max_seq_len=512)
+        return self._engines[method, num_heads]
+
+    def _once(self, key: tuple, method: str, engine_key: tuple) -> list:
+        if key not in self._results:
+            self._results[key] = self.decode(self.untrained_engine(*engine_key), method)
+        return self._results[key]
+
+    @property
+    def vanilla(self) -> list:
+        """Vanilla decoding on an engine that has (untrained Clover) heads, as a server's method=vanilla."""
+        return self._once(("vanilla",), "vanilla", ("clover", 3))
+
+    def untrained(self, method: str, num_heads: int) -> list:
+        return self._once(("untrained", method, num_heads), method, (method, num_heads))
+
+
+@pytest.fixture(scope="module")
+def runs(demo) -> Runs:
+    return Runs(demo)
+
+
 def _full_pass_logits(target, ids):
     cfg = target.config
     empty = [torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim)] * cfg.num_layers
@@ -41,27 +89,17 @@ def _full_pass_logits(target, ids):
 
 
 def test_demo_logits_match_transformers(demo):
-    from transformers import AutoModelForCausalLM
-
     path, target, tokenizer = demo
     ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
                                         return_dict=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf = hf_model(path)  # AutoModelForCausalLM.from_pretrained(path) in fp32, eval mode; loaded once
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_full_pass_logits(target, ids), expected, rtol=1e-4, atol=1e-3)
 
 
-def test_untrained_clover_equals_vanilla_greedy_on_chat_prompts(demo):
-    path, target, tokenizer = demo
-    drafter = Drafter.untrained(target, "clover", num_heads=3)
-    engine = TorchEngine(target, drafter, max_seq_len=512)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             return_dict=False) for p in PROMPTS]
-    requests = [GenerationRequest(p, max_new_tokens=NEW_TOKENS, stop_token_ids=()) for p in prompts]
-    vanilla = SpeculativeDecoder(engine, "vanilla").generate(requests)
-    clover = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4)).generate(requests)
-    _assert_equal_but_near_ties(path, prompts, vanilla, clover)
+def test_untrained_clover_equals_vanilla_greedy_on_chat_prompts(demo, runs):
+    _assert_equal_but_near_ties(demo[0], runs.prompts, runs.vanilla, runs.untrained("clover", 3))
 
 
 def _assert_equal_but_near_ties(path, prompts, vanilla, speculative):
@@ -93,13 +131,13 @@ def _assert_equal_but_near_ties(path, prompts, vanilla, speculative):
 
 
 @pytest.mark.parametrize("method", ["clover", "medusa"])
-def test_shipped_heads_are_small_fp16_for_this_target_and_lossless(demo, method):
+def test_shipped_heads_are_small_fp16_for_this_target_and_lossless(demo, runs, method):
     from safetensors import safe_open
 
     from clover.demo import SHIPPED_HEADS_DIR, shipped_heads
     from clover.drafters import load_drafter
 
-    checkpoint, target, tokenizer = demo
+    checkpoint, target, _ = demo
     path = shipped_heads(method)
     assert path is not None, f"{SHIPPED_HEADS_DIR / method} is missing"
     weights = sorted(SHIPPED_HEADS_DIR.glob("*/*.safetensors"))
@@ -109,21 +147,14 @@ def test_shipped_heads_are_small_fp16_for_this_target_and_lossless(demo, method)
     assert (path / "README.md").is_file()  # the model card
     drafter = load_drafter(path, target)  # checks the target fingerprint
     assert drafter.config.method == method
-    engine = TorchEngine(target, drafter.float().eval(), max_seq_len=512)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             return_dict=False) for p in PROMPTS]
-    requests = [GenerationRequest(p, max_new_tokens=NEW_TOKENS, stop_token_ids=()) for p in prompts]
-    vanilla = SpeculativeDecoder(engine, "vanilla").generate(requests)
-    fast = SpeculativeDecoder(engine, method, TreeConfig(budget=4)).generate(requests)
-    _assert_equal_but_near_ties(checkpoint, prompts, vanilla, fast)
+    fast = runs.decode(TorchEngine(target, drafter.float().eval(), max_seq_len=512), method)
+    _assert_equal_but_near_ties(checkpoint, runs.prompts, runs.vanilla, fast)
 
     def accepted_per_step(results):
         return sum(sum(r.stats.accepted_per_step) for r in results) / sum(r.stats.num_steps for r in results)
 
     # the training is what makes them speculate: heads initialised from the target accept far fewer tokens
-    untrained = Drafter.untrained(target, method, drafter.config.num_heads)
-    baseline = SpeculativeDecoder(TorchEngine(target, untrained, max_seq_len=512), method,
-                                  TreeConfig(budget=4)).generate(requests)
+    baseline = runs.untrained(method, drafter.config.num_heads)
     trained_rate, untrained_rate = accepted_per_step(fast), accepted_per_step(baseline)
     print(f"{method}: accepted per step, trained {trained_rate:.3f}, untrained {untrained_rate:.3f}")
     assert trained_rate > 0.1 and trained_rate > 2 * untrained_rate, (trained_rate, untrained_rate)
