@@ -228,6 +228,8 @@ def run_hf(model, prompt_ids: list[int], max_new: int, lookup: int | None) -> di
 class TritonSweep:
     """A tritonserver with one model per measured method, all on the bench's engines.
 
+    The heads' lines pin ``proposer: none`` as the batch sweep's do, so they measure the heads alone;
+    ``default-clover`` is what a user gets with no parameters (suffix candidates included).
     ``models`` maps the figure's method label to its Triton model name.
     """
 
@@ -240,15 +242,16 @@ class TritonSweep:
         models = {"vanilla": ("vanilla", {"engine_dir": clover_dir, "method": "vanilla"}),
                   "clover": ("clover", {"engine_dir": clover_dir, "method": engine_method,
                                         "tree_budget": str(args.budget),
-                                        "adaptive": "false"}),
+                                        "adaptive": "false", "proposer": "none"}),
                   # the model a user gets with no parameters: adaptive where the engine stores a cost model
                   "default-clover": ("clover_default", {"engine_dir": clover_dir})}
         if "medusa" in engines:
             models["medusa"] = ("medusa", {"engine_dir": str(engines["medusa"].engine_dir), "method": "medusa",
-                                           "tree_budget": str(args.budget), "adaptive": "false"})
+                                           "tree_budget": str(args.budget), "adaptive": "false",
+                                           "proposer": "none"})
         if engines["clover"].cost_model is not None:  # the server's adaptive model needs a stored one
             models["adaptive-clover"] = ("clover_adaptive", {"engine_dir": clover_dir, "method": engine_method,
-                                                             "adaptive": "true",
+                                                             "adaptive": "true", "proposer": "none",
                                                              "tree_budget": str(args.adaptive_max_budget)})
         for _, params in models.values():
             params["max_batch"] = str(max(args.concurrency))

@@ -543,7 +543,10 @@ def test_triton_model_logic_streams_batches_and_rejects(tiny_engine_dir, referen
     last = outputs[-1]
     assert last["finish_reason"][0].decode() == expected.finish_reason
     assert int(last["total_draft_tokens"][0]) >= int(last["total_accepted_draft_tokens"][0]) >= 0
-    assert int(last["num_decode_steps"][0]) == expected.stats.num_steps
+    # every step emits its accepted draft tokens and one more (the last may be cut at max tokens); accepted
+    # suffix candidates (docs/trees.md#model-free-candidates) can only save steps against vanilla
+    steps, accepted = int(last["num_decode_steps"][0]), int(last["total_accepted_draft_tokens"][0])
+    assert steps <= len(expected.token_ids) - 1 <= steps + accepted and steps <= expected.stats.num_steps
 
     assert len(whole.sender.responses) == 1
     only = whole.sender.responses[0].outputs
