@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 
-from clover.attention import causal_packed_mask
 from clover.backends.onnxruntime import OnnxRuntimeEngine
 from clover.backends.torch import TorchEngine
 from clover.config import TOKEN_PATHS, ConfigError, DrafterConfig, TreeConfig
@@ -103,34 +102,6 @@ def test_the_token_paths_start_where_the_residual_path_starts():
         _, got = drafter.step(h0, roots.tok_in[:, 0], 0, target.lm_head.weight)
         assert torch.equal(got.argmax(-1), want.argmax(-1)), token_path
         torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
-
-
-@pytest.mark.parametrize("token_path", NEW_PATHS)
-def test_training_forward_equals_the_decode_loop(token_path):
-    target = make_target(seed=5)
-    drafter = make_drafter(target, token_path=token_path, seed=6)
-    engine = TorchEngine(target, drafter, max_seq_len=128, draft_top_k=5)
-    ids = random_prompts(5, 1, target.config.vocab_size, 30, 30)[0]
-    num_prompt, root = 10, 12
-    batch = _batch(target, ids, num_prompt)
-    roots = train_mod.find_roots(batch, 3)
-    row = int(((roots.b == 0) & (roots.t == root)).nonzero())
-    with torch.no_grad():
-        h0 = train_mod.compute_h0(drafter, target, batch)
-        chain = list(train_mod.head_logits(drafter, target.lm_head.weight, h0[roots.b, roots.t][row: row + 1],
-                                           roots.tok_in[row: row + 1], roots.valid[row: row + 1]))
-    assert [i for i, _, _ in chain] == [0, 1, 2]
-    spec = engine.spec
-    caches = [torch.zeros(1, spec.num_kv_heads, 0, spec.head_dim) for _ in range(spec.num_kv_layers)]
-    result = engine.target(torch.tensor([ids[: root + 1]]), torch.arange(root + 1)[None],
-                           torch.zeros(1, dtype=torch.int32), causal_packed_mask(1, root + 1), caches, caches)
-    hidden = result.h0[:, root]
-    for i, _, logits in chain:
-        draft = engine.draft_step(hidden, torch.tensor([ids[root + 1 + i]]), i)
-        train_top = torch.log_softmax(logits.float(), -1).topk(5)
-        torch.testing.assert_close(train_top.values, draft.topk_logprobs, atol=1e-4, rtol=1e-4)
-        assert train_top.indices.tolist() == draft.topk_ids.tolist()
-        hidden = draft.next_hidden
 
 
 @pytest.mark.parametrize("token_path", NEW_PATHS)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from clover.backends.torch import TorchEngine
-from clover.config import ConfigError, TreeConfig
+from clover.config import TOKEN_PATHS, ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.drafters import load_drafter
 from clover.target import load_target, load_tokenizer
@@ -317,8 +317,10 @@ def test_training_forward_equals_inference_chain(tiny, distilled):
     batch = train_mod.Batch(last_input, last_hidden, torch.tensor([ids]), torch.arange(n)[None] >= num_prompt,
                             torch.tensor([n]), [record["category"]])
     root = num_prompt + 1  # a root inside the answer: token root+1 is the verified tok0
-    for method in METHODS:
-        drafter = make_drafter(target, method=method, num_heads=3, seed=4)
+    # every method, and Clover with every token path (docs/drafter.md#token-path)
+    variants = [(m, "residual") for m in METHODS] + [("clover", p) for p in TOKEN_PATHS if p != "residual"]
+    for method, token_path in variants:
+        drafter = make_drafter(target, method=method, num_heads=3, seed=4, token_path=token_path)
         engine = TorchEngine(target, drafter, max_seq_len=256, draft_top_k=5)
         roots = train_mod.find_roots(batch, 3)
         assert roots.t.min() == num_prompt - 1, "the first root is the last prompt position"
@@ -342,7 +344,7 @@ def test_training_forward_equals_inference_chain(tiny, distilled):
             draft = engine.draft_step(hidden, torch.tensor([ids[root + 1 + i]]), i)
             train_top = torch.log_softmax(logits.float(), -1).topk(5)
             torch.testing.assert_close(train_top.values, draft.topk_logprobs, atol=1e-4, rtol=1e-4)
-            assert train_top.indices.tolist() == draft.topk_ids.tolist(), method
+            assert train_top.indices.tolist() == draft.topk_ids.tolist(), (method, token_path)
             hidden = draft.next_hidden
 
 
