@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -240,3 +241,30 @@ def test_topk_distillation_loss_is_the_soft_cross_entropy_over_the_targets_top_k
     top = probs.topk(3, -1)
     manual = -(top.values * torch.log_softmax(logits, -1).gather(-1, top.indices)).sum()
     assert loss(topk_weight=0.5, topk_tokens=3) == pytest.approx(soft + 0.5 * float(manual), rel=1e-5)
+
+
+def test_triton_model_serves_concat_heads_token_for_token(engines):
+    """The Triton Python model on an engine whose heads use the EAGLE-style token path: streamed and whole
+    answers are transformers' greedy decoding of the checkpoint (the oracle drafter of tests/helpers.py replaces
+    the drafter whole, so the token path changes nothing it checks; random heads run the real path here)."""
+    from clover.serving.triton_model import CloverTritonModel
+    from tests.serving_support import Reference
+    from tests.test_serving_unit import FakePbUtils, FakeRequest, _args, _text
+
+    ort_engine = engines["concat"][0]
+    reference = Reference(ort_engine.engine_dir, checkpoint=ort_engine.engine_dir.parent / "llama")
+    model = CloverTritonModel(FakePbUtils, _args(ort_engine.engine_dir, threads="1", method="clover"))
+    prompts = {"hello there": 20, "write a poem about the sea": 24, "1 2 3 4": 12}
+    try:
+        requests = {p: FakeRequest(text_input=_text(p), max_tokens=np.array([n], np.int32), stream=np.array([True]))
+                    for p, n in prompts.items()}
+        model.execute(list(requests.values()))
+        for request in requests.values():
+            assert request.sender.closed.wait(60)
+    finally:
+        model.finalize()
+    for prompt, request in requests.items():
+        outputs = [r.outputs for r in request.sender.responses]
+        assert all(r.error is None for r in request.sender.responses)
+        ids = [int(t) for o in outputs for t in o["output_ids"]]
+        assert ids == reference(prompt, prompts[prompt]).token_ids, prompt
