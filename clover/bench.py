@@ -462,8 +462,8 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
     The ``clover`` lines run the main engine's own method (``clover``, or ``clover2`` for Clover-2 heads) with the
     heads alone (proposer ``none``); ``clover+suffix`` merges the suffix index's candidates into the same fixed
     tree, ``suffix`` decodes with them alone (docs/trees.md#model-free-candidates); ``default-clover`` is what
-    ``clover generate`` does with no flags (suffix candidates included) and ``default-heads`` the same without
-    them."""
+    ``clover generate`` does with no flags (suffix candidates included), ``default-heads`` the same without
+    them and ``default-suffix`` what ``--method suffix`` does with no other flag."""
     extra_engines = extra_engines or {}
     heads, engine_method = spec.num_draft_heads, spec.default_method
     configs: dict[str, list[Config]] = {}
@@ -485,6 +485,9 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
             rows.append(Config("batch", batch, "default-clover", engine_method, batch, TreeConfig(budget=args.budget)))
             rows.append(Config("batch", batch, "default-heads", engine_method, batch,
                                TreeConfig(budget=args.budget, proposer="none")))
+            # what `clover generate --method suffix` does: adaptive where the engine stores a cost model, so only
+            # candidates whose calibrated acceptance pays for their share of the target pass are verified
+            rows.append(Config("batch", batch, "default-suffix", "suffix", batch, TreeConfig(budget=args.budget)))
             for label, method in extra_engines.items():
                 rows.append(Config("batch", batch, label, method, batch, _fixed(args.budget), label))
         configs["batch"] = rows
@@ -793,6 +796,8 @@ def aims(samples: list[dict]) -> list[dict]:
     ratio("default clover / vanilla tokens/s, batch 1", "batch", "default-clover", "vanilla", 1, 2.0)
     ratio("clover (fixed budget) / vanilla tokens/s, batch 1", "batch", "clover", "vanilla", 1, 2.0)
     ratio("clover / transformers generate() greedy, batch 1", "hf", "clover", "hf-greedy", 1, 5.0)
+    # docs/trees.md#model-free-candidates: the proposer alone, as `--method suffix` runs it
+    ratio("default suffix / vanilla tokens/s, batch 1", "batch", "default-suffix", "vanilla", 1, 1.15)
     # docs/quantized-target.md: against llama.cpp on the same GGUF, and the quantized engine against fp32
     ratio("vanilla / fp32 engine's vanilla (--vanilla-engine fp32=DIR), batch 1", "llamacpp", "vanilla",
           "vanilla-fp32", 1, 2.0)

@@ -16,7 +16,8 @@ from tests.conftest import make_drafter, write_tiny_checkpoint
 from tests.helpers import hf_greedy
 
 quiet = dict(progress=lambda message: None)
-METHODS = ["vanilla", "medusa", "clover", "clover+suffix", "suffix", "adaptive-clover", "default-clover", "default-heads"]
+METHODS = ["vanilla", "medusa", "clover", "clover+suffix", "suffix", "adaptive-clover", "default-clover", "default-heads",
+           "default-suffix"]
 # the Triton sweep serves one model per line of the figure a user compares: the heads alone, and the defaults
 TRITON_METHODS = ["vanilla", "medusa", "clover", "adaptive-clover", "default-clover"]
 
@@ -54,7 +55,7 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
             assert sample["draft_ms"] == 0
         elif sample["method"] in ("clover", "medusa"):  # fixed budgets draft every step; adaptive ones may not
             assert sample["draft_ms"] > 0
-        elif sample["method"] == "suffix":  # the proposer alone never calls the heads; its host time is reported
+        elif sample["method"] in ("suffix", "default-suffix"):  # the proposer alone never calls the heads
             assert sample["draft_ms"] == 0 and sample["proposer_ms"] >= 0
         if sample["method"] in ("clover+suffix", "suffix", "default-clover"):  # each source's counts
             assert set(sample["source_counts"]) == {"heads", "suffix"}
@@ -82,7 +83,8 @@ def test_quick_bench_writes_every_method(engines, tmp_path):
     md_rows = (out / "bench.md").read_text().splitlines()
     assert any(row.startswith("| adaptive-clover | 1 | ") for row in md_rows)
     assert {a["aim"].split(",")[0] for a in report["aims"]} >= {"default clover / vanilla tokens/s",
-                                                               "adaptive clover / vanilla tokens/s"}
+                                                               "adaptive clover / vanilla tokens/s",
+                                                               "default suffix / vanilla tokens/s"}
     md = (out / "bench.md").read_text()
     for name in METHODS + ["hf-greedy", "hf-prompt-lookup"]:
         assert f"| {name}" in md or f" {name} |" in md
@@ -165,7 +167,7 @@ from clover.bench import run_key  # noqa: E402
 REAL_RUN_DECODE = bench_module.run_decode
 NEW_TOKENS = 6  # the warm-ups decode min(4, NEW_TOKENS) = 4 tokens: that tells them from the measurements
 BATCH_NAMES = ["vanilla", "medusa", "clover", "clover+suffix", "suffix", "adaptive-clover", "default-clover",
-               "default-heads"]
+               "default-heads", "default-suffix"]
 CUT = len(BATCH_NAMES) * 2 * 3 // 2  # the batch sweep's repeat 0 (batch 1 and 2) and half of its repeat 1
 
 
