@@ -318,20 +318,14 @@ class AdaptiveBudget:
         self._time_ratio[key] = ratio if old is None else decay * old + (1.0 - decay) * ratio
         self._choices.pop(batch, None)
 
-    def node_threshold(self, batch: int, budget: int, max_nodes: int | None = None) -> float:
-        """The least acceptance probability for which a tree node beyond the heads' ``budget`` pays, at ``batch``
-        sequences, when the trees may grow to ``max_nodes`` nodes (default ``budget + 1``)
-        (docs/trees.md#model-free-candidates).
-
-        A step of E expected tokens per sequence takes ``s`` seconds; a node adds p expected tokens and, per node
-        and sequence, ``Δ`` = the target pass's mean cost of the nodes from ``1 + budget`` to ``1 + max_nodes``
-        tokens per sequence; it pays when ``(E + p) / (s + Δ) >= E / s``, i.e. ``p >= E·Δ / s``.
-        """
-        expected = self.acceptance.expected(budget)
-        room = max(1, (budget + 1 if max_nodes is None else max_nodes) - budget)
-        step = self.cost.step_time(batch, budget, expected, self.depth, self.top_k)
-        grown = self.cost.target_time(batch * (1 + budget + room)) - self.cost.target_time(batch * (1 + budget))
-        return expected * max(grown, 0.0) / room / step if step > 0 else 0.0
+    def tree_step_seconds(self, batch: int, budget: int, max_nodes: int) -> np.ndarray:
+        """Modelled seconds of one step of ``batch`` sequences whose heads draft at ``budget`` and whose trees are
+        padded to k draft nodes, for k = 0..``max_nodes`` (``[max_nodes + 1]``): the target pass runs every
+        sequence at the batch's widest tree, so what one more node per tree costs depends on the batch and the
+        engine's pass curve (docs/trees.md#model-free-candidates)."""
+        step = self.cost.step_time(batch, budget, self.acceptance.expected(budget), self.depth, self.top_k)
+        others = step - self.cost.target_time(batch * (1 + budget))  # drafting, Clover-2's draft prefill
+        return np.array([others + self.cost.target_time(batch * (1 + k)) for k in range(max_nodes + 1)])
 
     def observe(self, budget: int, accepted_per_sequence: Sequence[int]) -> None:
         """One step's accepted draft tokens per sequence at ``budget``."""

@@ -698,6 +698,12 @@ def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, st
              for label, _ in args.extra_engine}
     configs = build_configs(args, engines["clover"].spec, "medusa" in engines,
                             tuple(triton.models) if triton is not None else (), extra)
+    if args.lines:  # only the named lines (every sweep keeps its own order)
+        known = {c.name for rows in configs.values() for c in rows}
+        if set(args.lines) - known:
+            raise ConfigError(f"--lines {','.join(sorted(set(args.lines) - known))}: no such line in these sweeps; "
+                              f"choose from {', '.join(sorted(known))}")
+        configs = {sweep: [c for c in rows if c.name in args.lines] for sweep, rows in configs.items()}
 
     def measure(config: Config, repeat: int, max_new: int) -> dict:
         if config.method.startswith("llamacpp-"):
@@ -963,6 +969,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fixed-budgets", type=_ints, default=None,
                    help="more fixed clover budgets in the batch sweep (default 1,8; quick: none)")
     p.add_argument("--adaptive-max-budget", type=int, default=16, help="largest budget adaptive clover may pick")
+    p.add_argument("--lines", type=lambda text: [name for name in text.split(",") if name], default=None,
+                   help="measure only these lines of each sweep (comma-separated labels as in the report, e.g. "
+                        "vanilla,default-clover,default-suffix); default: all")
     p.add_argument("--sweep-batch", type=int, default=1, help="batch size of the budget and head sweeps (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="repeats per configuration (default 5; quick: 2)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per sequence (default 128; quick: 12)")

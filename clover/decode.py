@@ -535,9 +535,9 @@ class SpeculativeDecoder:
         self.proposer_seconds += time.perf_counter() - started
         if not any(len(p.tokens) for p in proposals):
             return None
-        min_prob = (self.adaptive.node_threshold(len(seqs), tree.budget, self.tree.budget)
-                    if self.adaptive is not None else 0.0)
-        return TreeMerge(proposals, self.tree.budget, self.calibration.factors(), min_prob)
+        seconds = (self.adaptive.tree_step_seconds(len(seqs), tree.budget, self.tree.budget)
+                   if self.adaptive is not None else None)
+        return TreeMerge(proposals, self.tree.budget, self.calibration.factors(), seconds, min_nodes=tree.budget)
 
     def _propose(self, seq: _Sequence, depth: int):
         """The sequence's own suffix proposal, or the shared index's where that matched a longer suffix. Each

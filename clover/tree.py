@@ -442,13 +442,17 @@ class TreeMerge:
     factors: float ``[1 + SUFFIX_MATCH_ROWS, D + 1]``, measured ÷ predicted acceptance per calibration row and
     depth (:class:`clover.adaptive.SourceCalibration`); a node's calibrated probability is its source's raw
     probability (the heads' joint path probability, the suffix's count ÷ total) times its factor.
-    min_prob: the least calibrated probability a node needs to enter (where it pays for its verification).
+    step_seconds: with a cost model, the modelled step time when every tree is padded to k draft nodes,
+    k = 0..budget (:meth:`clover.adaptive.AdaptiveBudget.tree_step_seconds`): the trees are then cut to the k
+    that maximises expected tokens per second, never below ``min_nodes`` (the heads' budget of the step).
+    None: every tree keeps up to ``budget`` nodes.
     """
 
     proposals: Sequence[Any]
     budget: int
     factors: np.ndarray
-    min_prob: float = 0.0
+    step_seconds: np.ndarray | None = None
+    min_nodes: int = 0
 
     def max_candidates(self) -> int:
         return max((len(p.tokens) for p in self.proposals if p is not None), default=0)
@@ -476,7 +480,8 @@ class _SourceSlots:
 
 def _merge_candidates(pools: _Pools, merge: TreeMerge) -> "TreeBatch":
     """Add each sequence's proposal to its pool (a candidate the heads also drafted is one node), score every
-    slot by its calibrated acceptance probability, and keep each tree's ``merge.budget`` best over ``min_prob``."""
+    slot by its calibrated acceptance probability, and keep each tree's best nodes: ``merge.budget`` of them, or
+    as many as pay for their verification (:func:`_paying_width`)."""
     heads_raw = np.where(pools.used, np.exp(pools.score.astype(np.float64)), 0.0)  # [B, P]
     suffix_raw = np.zeros_like(heads_raw)
     keys = np.zeros(len(pools.size), np.int64)
@@ -491,12 +496,26 @@ def _merge_candidates(pools: _Pools, merge: TreeMerge) -> "TreeBatch":
     for level in range(1, int(pools.depth.max()) + 1):  # a child is never worth more than its parent, so the
         b, slot = np.nonzero((pools.depth == level) & pools.used)  # best nodes always include their ancestors
         value[b, slot] = np.minimum(value[b, slot], value[b, pools.parent[b, slot]])
-    pools.used &= value >= merge.min_prob
     with np.errstate(divide="ignore"):
         pools.score = np.log(value).astype(np.float32)
     bits = (heads_raw > 0) * SOURCE_HEADS | (suffix_raw > 0) * SOURCE_SUFFIX
-    return _pools_to_batch(pools, merge.budget, _SourceSlots(bits.astype(np.uint8), np.stack([heads_raw, suffix_raw], -1),
-                                                             keys))
+    nodes = merge.budget if merge.step_seconds is None else _paying_width(value, pools.used, merge)
+    return _pools_to_batch(pools, nodes, _SourceSlots(bits.astype(np.uint8), np.stack([heads_raw, suffix_raw], -1),
+                                                      keys))
+
+
+def _paying_width(value: np.ndarray, used: np.ndarray, merge: TreeMerge) -> int:
+    """The draft nodes per tree, k in [min_nodes, budget], that maximise the batch's expected tokens per second.
+
+    A tree of its k best nodes yields 1 + (the sum of their calibrated probabilities) tokens, expected (each is
+    the probability that its whole path is accepted); the step takes ``step_seconds[k]``, since every sequence is
+    verified at the batch's widest tree. value, used ``[B, P]`` (slot 0: the root)."""
+    candidates = np.where(used, value, 0.0)[:, 1:]  # [B, P - 1]
+    best_first = -np.sort(-candidates, axis=1)[:, : merge.budget]
+    gained = np.concatenate([[0.0], best_first.sum(0).cumsum()])  # [budget + 1]: expected draft tokens at k
+    gained = np.pad(gained, (0, merge.budget + 1 - len(gained)), mode="edge")
+    rate = (len(value) + gained) / merge.step_seconds[: merge.budget + 1]
+    return merge.min_nodes + int(np.argmax(rate[merge.min_nodes:]))
 
 
 def _add_proposal(pools: _Pools, b: int, proposal, suffix_raw: np.ndarray) -> None:

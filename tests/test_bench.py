@@ -297,6 +297,21 @@ def test_a_line_cut_by_the_kill_is_ignored(engines, tmp_path, monkeypatch):
     assert sorted(stored_keys(out)) == heads_keys(2)  # every line of the file whole again
 
 
+def test_lines_measure_only_the_named_lines_and_refuse_unknown_ones(engines, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "report"
+    command = resumable_run(engines, out, "--sweeps", "batch", "--batch-sizes", "1", "--repeats", "1",
+                            "--silent")
+    recorded = RecordedDecodes(monkeypatch)
+    assert bench_main(command + ["--lines", "vanilla,default-suffix"]) == 0
+    assert sorted(recorded.measured) == [("batch", "default-suffix", 1, 0), ("batch", "vanilla", 1, 0)]
+    assert set(json.loads((out / "bench.json").read_text())["sweeps"]["batch"]["methods"]) == {"vanilla",
+                                                                                             "default-suffix"}
+    capsys.readouterr()
+    assert bench_main(command + ["--lines", "vanilla,defualt-suffix", "--fresh"]) == 2
+    err = capsys.readouterr().err
+    assert "--lines defualt-suffix: no such line" in err and "default-suffix" in err
+
+
 def test_run_key_holds_what_changes_the_measurements(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     base = run_key(parse_args(["--engine", "e", "--quick"]))

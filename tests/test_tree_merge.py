@@ -84,12 +84,31 @@ def test_trees_stay_closed_under_ancestors_when_a_child_is_rated_above_its_paren
     assert set(tree_paths(batch)) == {(7,)}  # (7, 8) alone would be a node without its parent
 
 
-def test_candidates_below_min_prob_stay_out_and_proposals_alone_build_the_tree():
-    merge = TreeMerge([proposal({(7,): 3, (7, 8): 3, (9,): 1}, 4), None], budget=8, factors=ones(), min_prob=0.5)
+def test_the_trees_keep_as_many_nodes_as_pay_for_the_batchs_widest_pass():
+    # calibrated values (count / total, factors 1): sequence 0 .75, .75, .25; sequence 1 .5
+    proposals = [proposal({(7,): 3, (7, 8): 3, (9,): 1}, 4), proposal({(4,): 1}, 2)]
+    # expected tokens at k nodes per tree: 2 + (0, 1.25, 2.0, 2.25); a node per tree costing 0.1 ms, all 3 pay
+    flat = np.array([0.0100, 0.0101, 0.0102, 0.0103])
+    steep = np.array([0.010, 0.015, 0.025, 0.035])  # only the first: 3.25 / 15 ms > 2 / 10 ms > 4 / 25 ms
+    for seconds, size in ((flat, 3), (steep, 1)):
+        merge = TreeMerge(proposals, budget=3, factors=ones(), step_seconds=seconds)
+        batch = draft_tree_batch(None, None, [5, 6], TreeConfig(budget=0), 0, merge)
+        assert batch.tree_sizes().tolist() == [1 + size, 2]
+    assert set(tree_paths(batch, 0)) == {(7,)} and set(tree_paths(batch, 1)) == {(4,)}  # each tree's best node
+    # nothing pays: root-only trees (a vanilla step), unless the heads' budget of the step says otherwise
+    merge = TreeMerge(proposals, budget=3, factors=ones(), step_seconds=np.array([0.01, 0.03, 0.05, 0.07]))
+    assert draft_tree_batch(None, None, [5, 6], TreeConfig(budget=0), 0, merge).tree_sizes().tolist() == [1, 1]
+    merge = dataclasses.replace(merge, min_nodes=2)
+    assert draft_tree_batch(None, None, [5, 6], TreeConfig(budget=0), 0, merge).tree_sizes().tolist() == [3, 2]
+
+
+def test_without_a_cost_model_the_trees_fill_the_budget_and_proposals_alone_build_them():
+    merge = TreeMerge([proposal({(7,): 3, (7, 8): 3, (9,): 1}, 4), None], budget=8, factors=ones())
     batch = draft_tree_batch(None, None, [5, 6], TreeConfig(budget=0), 0, merge)
-    assert set(tree_paths(batch, 0)) == {(7,), (7, 8)}  # .75 .75 in, .25 out
-    assert batch.tree_sizes().tolist() == [3, 1]  # the sequence without a proposal: its root alone
-    assert batch.input_ids[0, :3].tolist() == [5, 7, 8] and batch.position_offsets[0, :3].tolist() == [0, 1, 2]
+    assert set(tree_paths(batch, 0)) == {(7,), (7, 8), (9,)}
+    assert batch.tree_sizes().tolist() == [4, 1]  # the sequence without a proposal: its root alone
+    # level order, siblings by score
+    assert batch.input_ids[0].tolist() == [5, 7, 9, 8] and batch.position_offsets[0].tolist() == [0, 1, 1, 2]
 
 
 def test_calibration_learns_each_source_per_depth():
@@ -109,15 +128,15 @@ def test_calibration_learns_each_source_per_depth():
     assert factors[1, 1] == pytest.approx(0.5)  # a row never observed keeps its prior
 
 
-def test_node_threshold_is_where_one_more_node_pays():
-    cost = CostModel(target=[[1, 0.010], [2, 0.011], [4, 0.013], [8, 0.030]])
-    chooser = AdaptiveBudget(cost, depth=0, top_k=1, max_budget=0, step_timing=False)
-    # vanilla step 10 ms, a second token costs 1 ms more: a node pays from p = 1 x 1 / 10
-    assert chooser.node_threshold(1, 0) == pytest.approx(0.1)
-    # at batch 4 the pass goes from 13 ms to 30 ms for 4 more tokens: p >= 17 / 13
-    assert chooser.node_threshold(4, 0) == pytest.approx(17 / 13)
-    # trees that may grow to 7 nodes: the mean cost of the 7 nodes, (30 - 10) / 7 ms each
-    assert chooser.node_threshold(1, 0, max_nodes=7) == pytest.approx(20 / 7 / 10)
+def test_tree_step_seconds_follow_the_pass_curve_at_the_batchs_width():
+    cost = CostModel(target=[[1, 0.010], [2, 0.011], [4, 0.013], [8, 0.030]], draft=[[1, 0.001], [8, 0.001]])
+    chooser = AdaptiveBudget(cost, depth=1, top_k=2, max_budget=1, step_timing=False)
+    # batch 1 without heads: the pass over 1 + k tokens
+    assert chooser.tree_step_seconds(1, 0, 3) == pytest.approx([0.010, 0.011, 0.012, 0.013])
+    # batch 4: the pass over 4 (1 + k) tokens
+    assert chooser.tree_step_seconds(4, 0, 1) == pytest.approx([0.013, 0.030])
+    # the heads draft at budget 1: one draft step (1 ms) on top of every width
+    assert chooser.tree_step_seconds(1, 1, 2) == pytest.approx([0.011, 0.012, 0.013])
 
 
 @pytest.mark.parametrize("bad", [{"proposer": "ngram"}, {"proposer_depth": 0},
