@@ -121,8 +121,9 @@ class CostModel(JsonMixin):
         """Seconds of one decode step of ``batch`` sequences at ``budget`` (0: vanilla) that accepts
         ``tokens_per_step`` per sequence: the target pass over every tree, the tree's draft steps, and Clover-2's
         ``draft_prefill`` over the accepted positions (0 for other engines). The one step-time rule of the
-        chooser, its time correction and ``benchmarks/chooser_replay.py``. ``tree_tokens``: the trees' mean
-        size when it is not ``1 + budget`` (model-free candidates merged in, docs/trees.md#model-free-candidates)."""
+        chooser, its time correction and ``benchmarks/chooser_replay.py``. ``tree_tokens``: the tokens per
+        sequence of the pass (the batch's widest tree, as every row is padded to it) when it is not ``1 + budget``
+        (model-free candidates merged in, docs/trees.md#model-free-candidates)."""
         tokens = 1 + budget if tree_tokens is None else tree_tokens
         return (self.target_time(batch * tokens) + self.draft_time(batch, budget, depth, top_k)
                 + self.draft_prefill_time(batch * tokens_per_step))
@@ -308,8 +309,8 @@ class AdaptiveBudget:
         """One decode step of ``batch`` sequences at ``budget`` took ``seconds`` (drafting, verification, Clover-2's
         draft prefill over the ``tokens_per_step`` accepted per sequence, and host work): folded into that pair's
         correction of the cost model, so a budget the model rates too cheap on this machine stops being chosen
-        after a few steps. Vanilla steps are corrected the same way. ``tree_tokens``: the trees' mean size when
-        model-free candidates changed it from ``1 + budget``."""
+        after a few steps. Vanilla steps are corrected the same way. ``tree_tokens``: the pass's tokens per
+        sequence (the widest tree) when it is not ``1 + budget``."""
         predicted = self.cost.step_time(batch, budget, tokens_per_step, self.depth, self.top_k, tree_tokens)
         if predicted <= 0 or seconds <= 0:
             return

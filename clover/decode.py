@@ -511,7 +511,7 @@ class SpeculativeDecoder:
         if self.adaptive is not None and self.adaptive.step_timing:  # what this budget really costs here
             self.adaptive.observe_time(len(seqs), tree.budget, time.perf_counter() - started,
                                        sum(len(a.path) for a in accepted) / len(accepted),
-                                       tree_tokens=sum(sizes) / len(sizes))
+                                       tree_tokens=batch.input_ids.shape[1])  # every row runs at the widest tree
         self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
         return events
 
