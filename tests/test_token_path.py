@@ -268,3 +268,21 @@ def test_triton_model_serves_concat_heads_token_for_token(engines):
         assert all(r.error is None for r in request.sender.responses)
         ids = [int(t) for o in outputs for t in o["output_ids"]]
         assert ids == reference(prompt, prompts[prompt]).token_ids, prompt
+
+
+def test_recipe_curve_places_each_runs_agreement_at_its_tokens(tmp_path):
+    from training.recipe_curve import main as recipe_curve
+
+    for name, runs in {"small": {"a": [0.1, 0.05, 0.04], "b": [0.2, 0.1, 0.08]},
+                       "large": {"a": [0.3, 0.15, 0.1], "b": [0.4, 0.2, 0.15]}}.items():
+        report = {"runs": {run: {"teacher_forced": {"overall": {"agree1": agree}}} for run, agree in runs.items()}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(report))
+    points = [f"{recipe}={tokens}:{tmp_path / name}.json:{recipe}" for recipe in ("a", "b")
+              for tokens, name in (("330k", "large"), ("40k", "small"))]
+    assert recipe_curve([arg for p in points for arg in ("--point", p)] + ["--output", str(tmp_path / "out")]) == 0
+    rows = (tmp_path / "out" / "recipe_curve.md").read_text().splitlines()[2:]
+    assert rows == ["| a | 40,000 | 0.100 | 0.050 | 0.040 |", "| a | 330,000 | 0.300 | 0.150 | 0.100 |",
+                    "| b | 40,000 | 0.200 | 0.100 | 0.080 |", "| b | 330,000 | 0.400 | 0.200 | 0.150 |"]
+    assert (tmp_path / "out" / "recipe_curve.png").stat().st_size > 5000
+    with pytest.raises(SystemExit):
+        recipe_curve(["--point", f"a=1k:{tmp_path / 'small'}.json:missing", "--output", str(tmp_path / "x")])
