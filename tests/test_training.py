@@ -864,3 +864,17 @@ def test_init_starts_from_trained_heads(tiny, cache_dir, tmp_path):
     with pytest.raises(ConfigError, match="--init"):  # other heads than the run trains
         train_mod.train(tiny_config(cache_dir, tmp_path / "medusa", method="medusa", init=str(tmp_path / "first")),
                         target=tiny["target"])
+
+
+def test_model_card_says_whether_the_answers_were_distilled_or_teacher_forced(tmp_path):
+    from training import ship_heads
+
+    teacher = {"id": "t", "category": "sharegpt", "prompt_ids": [1, 2], "response_ids": [3, 4, 5],
+               "finish_reason": ship_heads.TEACHER_FINISH_REASON}
+    distilled = dict(teacher, finish_reason="stop")
+    for records, first_words in (([teacher, teacher], "Teacher-forced: ShareGPT's own answers to 2 training"),
+                                 ([teacher, distilled], "Self-distilled: the target answered 2 training")):
+        path = tmp_path / "data.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        section = ship_heads.data_section(ship_heads.data_counts(path))
+        assert section[2].startswith(first_words) and "6 answer tokens and 4 prompt tokens" in section[2]

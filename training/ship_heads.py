@@ -28,6 +28,7 @@ from training.data import CATEGORY_TITLES  # noqa: E402
 from training.evaluate import markdown as eval_markdown, mtbench_markdown  # noqa: E402
 
 SHIPPED_FILES = ("config.json", "model.safetensors")
+TEACHER_FINISH_REASON = "sharegpt"  # training/sharegpt.py's teacher records: the answer is ShareGPT's, not the target's
 METHOD_TITLES = {
     "clover": "Clover (Augmenting Block, Attention Decoder regressive connection, MLP heads sharing the LM head)",
     "medusa": "Medusa baseline (independent residual heads on the last hidden state, sharing the LM head)",
@@ -35,8 +36,10 @@ METHOD_TITLES = {
 
 
 def data_counts(distill_path: Path) -> dict:
-    """Conversations, assistant tokens and prompt tokens of a distilled JSONL, overall and per category."""
-    counts = {"conversations": 0, "assistant_tokens": 0, "prompt_tokens": 0, "sampled": 0, "by_category": {}}
+    """Conversations, assistant tokens and prompt tokens of a distilled or teacher-forced JSONL, overall and per
+    category; ``teacher_forced`` counts ShareGPT's own answers (``training/sharegpt.py``'s teacher files)."""
+    counts = {"conversations": 0, "assistant_tokens": 0, "prompt_tokens": 0, "sampled": 0, "teacher_forced": 0,
+              "by_category": {}}
     with open(distill_path, encoding="utf-8") as f:
         for line in f:
             if not line.strip():
@@ -49,6 +52,7 @@ def data_counts(distill_path: Path) -> dict:
             counts["assistant_tokens"] += len(record["response_ids"])
             counts["prompt_tokens"] += len(record["prompt_ids"])
             counts["sampled"] += int(record.get("sampling", {}).get("temperature", 0) > 0)
+            counts["teacher_forced"] += int(record.get("finish_reason") == TEACHER_FINISH_REASON)
     return counts
 
 
@@ -62,11 +66,16 @@ SHAREGPT_SOURCE = ("Prompts are the first turns and multi-turn contexts of Share
 
 def data_section(data: dict) -> list[str]:
     source = SHAREGPT_SOURCE if set(data["by_category"]) == {"sharegpt"} else OFFLINE_SOURCES
+    if data.get("teacher_forced") == data["conversations"]:
+        how = (f"Teacher-forced: ShareGPT's own answers to {data['conversations']:,} training prompts, read by the "
+               "frozen target, whose distribution at each answer position is the soft label: ")
+    else:
+        how = (f"Self-distilled: the target answered {data['conversations']:,} training prompts "
+               f"({data['sampled']:,} of them sampled at T = 0.7, top-p 0.95; the rest greedy) with the "
+               "project's batched onnxruntime engine, up to 256 new tokens: ")
     lines = ["## Data", "",
-             f"Self-distilled: the target answered {data['conversations']:,} training prompts "
-             f"({data['sampled']:,} of them sampled at T = 0.7, top-p 0.95; the rest greedy) with the "
-             "project's batched onnxruntime engine, up to 256 new tokens: "
-             f"{data['assistant_tokens']:,} answer tokens and {data['prompt_tokens']:,} prompt tokens. " + source, "",
+             how + f"{data['assistant_tokens']:,} answer tokens and {data['prompt_tokens']:,} prompt tokens. " + source,
+             "",
              "| category | conversations | answer tokens |", "|---|---|---|"]
     for cat, c in sorted(data["by_category"].items(), key=lambda kv: -kv[1]["assistant_tokens"]):
         lines.append(f"| {CATEGORY_TITLES.get(cat, cat)} | {c['conversations']:,} | {c['assistant_tokens']:,} |")
