@@ -126,7 +126,11 @@ def model_card(name: str, summary: dict, data: dict | None, report: dict | None,
         f"| batches | {cfg['batch_tokens']} padded tokens, length buckets of {cfg['bucket_size']}, seed {cfg['seed']} |",
         f"| labels | {cfg.get('labels', 'hard')}"
         + (f"; the heads score a draft vocabulary of the {cfg['draft_vocab_size']:,} most frequent tokens"
-           if cfg.get("draft_vocab") else "") + " |",
+           if cfg.get("draft_vocab") else "")
+        + (f"; plus HASS's top-{cfg['topk_tokens']} distillation loss, weight {cfg['topk_weight']}"
+           if cfg.get("topk_weight") else "") + " |",
+        *([f"| token path | {cfg['token_path']} (docs/drafter.md#token-path) |"]
+          if method == "clover" and cfg.get("token_path") else []),
         f"| precision | {'bf16 autocast (fp32 weights, loss and optimizer)' if cfg.get('autocast') == 'bf16' else 'fp32'};"
         " shipped as fp16 |",
         f"| final training loss / head top-1 (last 10 logged steps) | {summary['final_loss']:.3f} / "
