@@ -1,4 +1,4 @@
-"""Structural rules of the code base: no import cycles in clover/, a light CLI import, short functions."""
+"""Structural rules of the code base: no import cycles in clover/ or training/, a light CLI import, short functions."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "clover"
+CYCLE_FREE_PACKAGES = (PACKAGE, "training")  # training/ imports clover/, never the reverse
 MAX_FUNCTION_LINES = 80
 FUNCTION_DIRS = ("clover", "training", "export", "benchmarks", "scripts", "tests")  # trt_plugins/ is exempt
 
@@ -20,8 +21,8 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _package_modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+def _package_modules(packages: tuple[str, ...] | None = None) -> dict[str, Path]:
+    return {_module_name(p): p for package in packages or (PACKAGE,) for p in sorted((ROOT / package).rglob("*.py"))}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -68,9 +69,9 @@ def imported_modules(name: str, path: Path, modules: set[str]) -> list[tuple[str
     return [(module, line) for module, line in found if module in modules]
 
 
-def import_graph() -> dict[str, dict[str, int]]:
-    """module -> {imported clover module: first line}."""
-    modules = _package_modules()
+def import_graph(packages: tuple[str, ...] | None = None) -> dict[str, dict[str, int]]:
+    """module -> {imported module of ``packages`` (default clover): first line}."""
+    modules = _package_modules(packages)
     graph: dict[str, dict[str, int]] = {}
     for name, path in modules.items():
         edges: dict[str, int] = {}
@@ -163,15 +164,28 @@ def test_import_resolution(tmp_path, monkeypatch):
     assert found == [("clover.sub.c", 2), ("clover.a", 3), ("clover.sub", 4), ("clover.a", 6), ("clover.sub", 10)]
 
 
+def _cycle_report(graph: dict[str, dict[str, int]], packages: tuple[str, ...]) -> list[str]:
+    paths, lines = _package_modules(packages), []
+    for cycle in find_cycles(graph):
+        hops = [f"{a} ({paths[a].relative_to(ROOT)}:{graph[a][b]}) -> {b}" for a, b in zip(cycle, cycle[1:])]
+        lines.append(" | ".join(hops))
+    return lines
+
+
 def test_no_import_cycles_in_clover():
     graph = import_graph()
     assert len(graph) > 20 and graph["clover.decode"], "the import graph was not read"
-    cycles = find_cycles(graph)
-    lines = []
-    for cycle in cycles:
-        hops = [f"{a} ({_package_modules()[a].relative_to(ROOT)}:{graph[a][b]}) -> {b}" for a, b in zip(cycle, cycle[1:])]
-        lines.append(" | ".join(hops))
-    assert not cycles, "import cycles among clover modules:\n" + "\n".join(lines)
+    cycles = _cycle_report(graph, (PACKAGE,))
+    assert not cycles, "import cycles among clover modules:\n" + "\n".join(cycles)
+
+
+def test_no_import_cycles_in_training():
+    """Function-level imports count: ``train`` imports ``evaluate`` lazily, so ``evaluate`` must not import
+    ``train`` (their shared forward lives in training/forward.py and training/batches.py)."""
+    graph = import_graph(CYCLE_FREE_PACKAGES)
+    assert graph["training.evaluate"] and "training.evaluate" in graph["training.train"], "the graph was not read"
+    cycles = _cycle_report(graph, CYCLE_FREE_PACKAGES)
+    assert not cycles, "import cycles among clover and training modules:\n" + "\n".join(cycles)
 
 
 def test_cli_import_does_not_load_the_serving_package():

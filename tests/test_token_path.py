@@ -23,6 +23,8 @@ from clover.export.builder import build_engine
 from clover.target import load_target
 from tests.conftest import make_drafter, make_target, write_tiny_checkpoint
 from tests.helpers import hf_greedy, random_prompts
+from training import batches as batches_mod
+from training import forward as forward_mod
 from training import train as train_mod
 from training.hidden_cache import target_hidden_states
 
@@ -36,10 +38,10 @@ def _generate(engine, prompts, budget=6):
                                                    for p in prompts])]
 
 
-def _batch(target, ids: list[int], num_prompt: int) -> train_mod.Batch:
+def _batch(target, ids: list[int], num_prompt: int) -> batches_mod.Batch:
     with torch.no_grad():
         last_input, last_hidden = target_hidden_states(target, torch.tensor([ids]))
-    return train_mod.Batch(last_input, last_hidden, torch.tensor([ids]), torch.arange(len(ids))[None] >= num_prompt,
+    return batches_mod.Batch(last_input, last_hidden, torch.tensor([ids]), torch.arange(len(ids))[None] >= num_prompt,
                            torch.tensor([len(ids)]), [""])
 
 
@@ -47,9 +49,9 @@ def _root_states(target, drafter, seed: int = 0):
     """h0 at every answer root of a random conversation (the target's own scale), its roots and the drafter."""
     ids = random_prompts(seed, 1, target.config.vocab_size, 40, 40)[0]
     batch = _batch(target, ids, 8)
-    roots = train_mod.find_roots(batch, drafter.config.num_heads)
+    roots = forward_mod.find_roots(batch, drafter.config.num_heads)
     with torch.no_grad():
-        h0 = train_mod.compute_h0(drafter, target, batch)[roots.b, roots.t]
+        h0 = forward_mod.compute_h0(drafter, target, batch)[roots.b, roots.t]
     return h0, roots
 
 
@@ -230,12 +232,12 @@ def test_topk_distillation_loss_is_the_soft_cross_entropy_over_the_targets_top_k
     gen = torch.Generator().manual_seed(0)
     logits, target_logits = torch.randn(5, 11, generator=gen), torch.randn(5, 11, generator=gen) * 3
     probs = torch.softmax(target_logits, -1)
-    rows = train_mod.DraftRows(None, torch.zeros(11, 4), None)
+    rows = forward_mod.DraftRows(None, torch.zeros(11, 4), None)
     labels = torch.zeros(5, dtype=torch.long)
 
     def loss(**spec):
-        return float(train_mod.head_loss(None, None, rows, None, logits, labels, None,
-                                         train_mod.LossSpec([1.0], "soft", **spec), probs))
+        return float(forward_mod.head_loss(None, None, rows, None, logits, labels, None,
+                                         forward_mod.LossSpec([1.0], "soft", **spec), probs))
 
     soft = loss()
     assert loss(topk_weight=1.0, topk_tokens=11) == pytest.approx(2 * soft, rel=1e-5)

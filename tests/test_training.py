@@ -16,10 +16,13 @@ from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.drafters import load_drafter
 from clover.target import load_target, load_tokenizer
 from tests.conftest import make_drafter, make_target, write_tiny_checkpoint
+from training import batches as batches_mod
 from training import data as data_mod
 from training import distill as distill_mod
 from training import evaluate as eval_mod
+from training import forward as forward_mod
 from training import hidden_cache as cache_mod
+from training import run_dir as run_dir_mod
 from training import train as train_mod
 
 METHODS = ("clover", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment")
@@ -314,7 +317,7 @@ def test_training_forward_equals_inference_chain(tiny, distilled):
     n, num_prompt = len(ids), len(record["prompt_ids"])
     with torch.no_grad():
         last_input, last_hidden = cache_mod.target_hidden_states(target, torch.tensor([ids]))
-    batch = train_mod.Batch(last_input, last_hidden, torch.tensor([ids]), torch.arange(n)[None] >= num_prompt,
+    batch = batches_mod.Batch(last_input, last_hidden, torch.tensor([ids]), torch.arange(n)[None] >= num_prompt,
                             torch.tensor([n]), [record["category"]])
     root = num_prompt + 1  # a root inside the answer: token root+1 is the verified tok0
     # every method, and Clover with every token path (docs/drafter.md#token-path)
@@ -322,12 +325,12 @@ def test_training_forward_equals_inference_chain(tiny, distilled):
     for method, token_path in variants:
         drafter = make_drafter(target, method=method, num_heads=3, seed=4, token_path=token_path)
         engine = TorchEngine(target, drafter, max_seq_len=256, draft_top_k=5)
-        roots = train_mod.find_roots(batch, 3)
+        roots = forward_mod.find_roots(batch, 3)
         assert roots.t.min() == num_prompt - 1, "the first root is the last prompt position"
         row = int(((roots.b == 0) & (roots.t == root)).nonzero())
         with torch.no_grad():
-            h0 = train_mod.compute_h0(drafter, target, batch)
-            chain = list(train_mod.head_logits(drafter, target.lm_head.weight, h0[roots.b, roots.t][row: row + 1],
+            h0 = forward_mod.compute_h0(drafter, target, batch)
+            chain = list(forward_mod.head_logits(drafter, target.lm_head.weight, h0[roots.b, roots.t][row: row + 1],
                                                roots.tok_in[row: row + 1], roots.valid[row: row + 1]))
         assert [i for i, _, _ in chain] == [0, 1, 2]
         # inference: prefill up to the root, then one draft step per depth with the true tokens
@@ -360,10 +363,10 @@ def test_clover2_training_forward_equals_the_decode_loop(tiny, distilled):
     engine = TorchEngine(target, drafter, max_seq_len=256, draft_top_k=5)
     with torch.no_grad():
         _, last_hidden = cache_mod.target_hidden_states(target, torch.tensor([ids]))
-        batch = train_mod.Batch(None, last_hidden, torch.tensor([ids]), torch.arange(n)[None] >= len(prompt),
+        batch = batches_mod.Batch(None, last_hidden, torch.tensor([ids]), torch.arange(n)[None] >= len(prompt),
                                 torch.tensor([n]), [record["category"]])
-        roots = train_mod.find_roots(batch, 3)
-        h0 = train_mod.compute_h0(drafter, target, batch)
+        roots = forward_mod.find_roots(batch, 3)
+        h0 = forward_mod.compute_h0(drafter, target, batch)
     # the greedy record is what the decode loop generates from its prompt; check every root it reaches
     decoder = SpeculativeDecoder(engine, "clover2", TreeConfig(budget=8, adaptive=False))
     decoder.submit(GenerationRequest(prompt, max_new_tokens=len(response), stop_token_ids=()))
@@ -378,7 +381,7 @@ def test_clover2_training_forward_equals_the_decode_loop(tiny, distilled):
             continue
         row = slice(int(row), int(row) + 1)
         with torch.no_grad():
-            chain = list(train_mod.head_logits(drafter, target.lm_head.weight, h0[roots.b, roots.t][row],
+            chain = list(forward_mod.head_logits(drafter, target.lm_head.weight, h0[roots.b, roots.t][row],
                                                roots.tok_in[row], roots.valid[row]))
         hidden = seq.root_hidden[None]
         for i, _, logits in chain:  # inference: one draft step per depth, fed the true tokens
@@ -469,7 +472,7 @@ def test_resume_after_interruption_is_bit_exact(tiny, cache_dir, tmp_path):
         b = torch.load(tmp_path / f"cut-{method}" / train_mod.STATE_FILE, weights_only=False)
         for name in a["drafter"]:
             assert torch.equal(a["drafter"][name], b["drafter"][name]), (method, name)
-        assert train_mod.run_digest(tmp_path / f"ref-{method}") == train_mod.run_digest(tmp_path / f"cut-{method}")
+        assert run_dir_mod.run_digest(tmp_path / f"ref-{method}") == run_dir_mod.run_digest(tmp_path / f"cut-{method}")
         log_a = (tmp_path / f"ref-{method}" / train_mod.LOG_FILE).read_text().splitlines()
         log_b = (tmp_path / f"cut-{method}" / train_mod.LOG_FILE).read_text().splitlines()
         strip = lambda lines: [{k: v for k, v in json.loads(x).items() if k not in ("elapsed_s", "max_memory_mb")}  # noqa: E731
@@ -481,10 +484,10 @@ def test_resume_after_interruption_is_bit_exact(tiny, cache_dir, tmp_path):
 
 def test_token_budget_is_the_same_for_every_method(cache_dir):
     convs = cache_mod.HiddenCache(cache_dir).conversations
-    plan = train_mod.make_plan(convs, 160, epochs=3, seed=0, max_tokens=100)
-    seen = [sum(train_mod.assistant_tokens(convs[i]) for i in b) for b in plan]
+    plan = batches_mod.make_plan(convs, 160, epochs=3, seed=0, max_tokens=100)
+    seen = [sum(batches_mod.assistant_tokens(convs[i]) for i in b) for b in plan]
     assert sum(seen) >= 100 and sum(seen[:-1]) < 100
-    assert train_mod.make_plan(convs, 160, epochs=3, seed=0, max_tokens=100) == plan
+    assert batches_mod.make_plan(convs, 160, epochs=3, seed=0, max_tokens=100) == plan
     assert all(len(b) * max(convs[i]["length"] for i in b) <= 160 or len(b) == 1 for b in plan)
 
 
@@ -618,9 +621,9 @@ def test_soft_cross_entropy_equals_hard_for_one_hot():
     logits, labels = torch.randn(7, 11, generator=gen), torch.randint(0, 11, (7,), generator=gen)
     one_hot = torch.nn.functional.one_hot(labels, 11).float()
     hard = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
-    torch.testing.assert_close(train_mod.soft_cross_entropy(logits, one_hot), hard)
+    torch.testing.assert_close(forward_mod.soft_cross_entropy(logits, one_hot), hard)
     smooth = 0.9 * one_hot + 0.1 / 11
-    assert not torch.allclose(train_mod.soft_cross_entropy(logits, smooth), hard)
+    assert not torch.allclose(forward_mod.soft_cross_entropy(logits, smooth), hard)
 
 
 def greedy_batch(tiny, distilled):
@@ -635,7 +638,7 @@ def greedy_batch(tiny, distilled):
         assistant[row, len(r["prompt_ids"]): len(seq)] = True
     with torch.no_grad():
         last_input, last_hidden = cache_mod.target_hidden_states(tiny["target"], tokens)
-    return train_mod.Batch(last_input, last_hidden, tokens, assistant, torch.tensor([len(s) for s in ids]),
+    return batches_mod.Batch(last_input, last_hidden, tokens, assistant, torch.tensor([len(s) for s in ids]),
                            [r["category"] for r in records])
 
 
@@ -644,22 +647,22 @@ def test_soft_label_and_regression_target_positions(tiny, distilled):
     one place off, it is not. The regression term reads the same position."""
     target, batch = tiny["target"], greedy_batch(tiny, distilled)
     weight = target.lm_head.weight.float()
-    roots = train_mod.find_roots(batch, 3)
+    roots = forward_mod.find_roots(batch, 3)
     for i in range(3):
         rows = roots.valid[:, i].nonzero().flatten()
-        b, p = train_mod.label_source_positions(roots, rows, i)
-        predicted = train_mod.target_logits(target, weight, batch.x_last[b, p]).argmax(-1)
+        b, p = forward_mod.label_source_positions(roots, rows, i)
+        predicted = forward_mod.target_logits(target, weight, batch.x_last[b, p]).argmax(-1)
         assert torch.equal(predicted, roots.labels[rows, i])
-        shifted = train_mod.target_logits(target, weight, batch.x_last[b, p - 1]).argmax(-1)
+        shifted = forward_mod.target_logits(target, weight, batch.x_last[b, p - 1]).argmax(-1)
         assert (shifted != roots.labels[rows, i]).float().mean() > 0.5
     for method in ("clover", "medusa"):
         drafter = make_drafter(target, method=method, num_heads=3, seed=2)
         kwargs = dict(row_chunk=1000, weights=[1.0, 0.7, 0.49], train=False, labels="soft")
-        plain = train_mod.run_batch(drafter, target, weight, batch, regression_weight=0.0, **kwargs)["loss"]
-        with_reg = train_mod.run_batch(drafter, target, weight, batch, regression_weight=2.0, **kwargs)["loss"]
-        h_rows = train_mod.compute_h0(drafter, target, batch)[roots.b, roots.t]
+        plain = forward_mod.run_batch(drafter, target, weight, batch, regression_weight=0.0, **kwargs)["loss"]
+        with_reg = forward_mod.run_batch(drafter, target, weight, batch, regression_weight=2.0, **kwargs)["loss"]
+        h_rows = forward_mod.compute_h0(drafter, target, batch)[roots.b, roots.t]
         expected = 0.0
-        for i, rows, feature, _ in train_mod.head_outputs(drafter, weight, h_rows, roots.tok_in, roots.valid):
+        for i, rows, feature, _ in forward_mod.head_outputs(drafter, weight, h_rows, roots.tok_in, roots.valid):
             goal = batch.x_last[roots.b[rows], roots.t[rows] + i + 1]  # token t+i+2 is predicted from t+i+1
             goal = target.norm(goal) if method == "medusa" else goal
             reg = torch.nn.functional.smooth_l1_loss(feature, goal, reduction="none").mean(-1).sum()
@@ -697,7 +700,7 @@ def test_soft_regression_training_resumes_bit_exact_with_a_curve(tiny, cache_dir
         train_mod.train(cfg, target=target, on_step=kill)
     resumed = train_mod.train(cfg, target=target)
     assert resumed["steps"] == ref["steps"] > 6
-    assert train_mod.run_digest(tmp_path / "ref") == train_mod.run_digest(tmp_path / "cut")
+    assert run_dir_mod.run_digest(tmp_path / "ref") == run_dir_mod.run_digest(tmp_path / "cut")
     curve = [json.loads(x) for x in (tmp_path / "cut" / train_mod.EVAL_LOG_FILE).read_text().splitlines()]
     assert [c["step"] for c in curve] == sorted({*range(3, ref["steps"] + 1, 3), ref["steps"]})
     assert all(len(c["top1"]) == 3 and len(c["agree1"]) == 3 for c in curve)
@@ -797,17 +800,17 @@ def test_draft_vocab_training_scores_the_full_logits_restricted_to_v_prime(tiny,
     restricted = make_drafter(target, method="clover", num_heads=3, seed=5)
     train_mod.set_draft_vocab(restricted, ids)
     weights = [1.0, 0.7, 0.49]
-    stats = train_mod.run_batch(restricted, target, weight, batch, row_chunk=7, weights=weights, train=False,
+    stats = forward_mod.run_batch(restricted, target, weight, batch, row_chunk=7, weights=weights, train=False,
                                 labels=labels)
-    roots = train_mod.find_roots(batch, 3)
+    roots = forward_mod.find_roots(batch, 3)
     counts = roots.valid.sum(0)
-    h_rows = train_mod.compute_h0(full, target, batch)[roots.b, roots.t]
+    h_rows = forward_mod.compute_h0(full, target, batch)[roots.b, roots.t]
     loss, hits, agree = 0.0, [0, 0, 0], [0, 0, 0]
     with torch.no_grad():
-        for i, rows, _, logits in train_mod.head_outputs(full, weight, h_rows, roots.tok_in, roots.valid):
+        for i, rows, _, logits in forward_mod.head_outputs(full, weight, h_rows, roots.tok_in, roots.valid):
             label = roots.labels[rows, i]
-            b, p = train_mod.label_source_positions(roots, rows, i)
-            reference = train_mod.target_logits(target, weight, batch.x_last[b, p])
+            b, p = forward_mod.label_source_positions(roots, rows, i)
+            reference = forward_mod.target_logits(target, weight, batch.x_last[b, p])
             sub = logits[:, ids].log_softmax(-1)
             if labels == "soft":
                 term = -(reference[:, ids].softmax(-1) * sub).sum()
@@ -847,8 +850,8 @@ def test_init_starts_from_trained_heads(tiny, cache_dir, tmp_path):
     train_mod.train(tiny_config(cache_dir, tmp_path / "again", lr=0.0, init=str(tmp_path / "first")),
                     target=tiny["target"])
     train_mod.train(tiny_config(cache_dir, tmp_path / "fresh", lr=0.0), target=tiny["target"])
-    assert train_mod.run_digest(tmp_path / "again") == train_mod.run_digest(tmp_path / "first")
-    assert train_mod.run_digest(tmp_path / "fresh") != train_mod.run_digest(tmp_path / "first")
+    assert run_dir_mod.run_digest(tmp_path / "again") == run_dir_mod.run_digest(tmp_path / "first")
+    assert run_dir_mod.run_digest(tmp_path / "fresh") != run_dir_mod.run_digest(tmp_path / "first")
     assert tiny_config(cache_dir, tmp_path, init="x").resume_key()["init"] == "x"
     from training import ship_heads  # the card of fine-tuned heads carries their starting heads' card
     (tmp_path / "first" / "README.md").write_text("# first\n## Training\n| steps | 7 |\n## Data\nsome prompts\n"

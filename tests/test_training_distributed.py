@@ -25,6 +25,7 @@ from clover.export.builder import build_engine
 from clover.target import load_target
 from tests.conftest import write_tiny_checkpoint
 from tests.helpers import hf_greedy, random_prompts
+from training import batches as batches_mod
 from training import hidden_cache as cache_mod
 from training import train as train_mod
 from training.features import online_hidden_states
@@ -102,7 +103,7 @@ def test_two_torchrun_processes_equal_one_process_and_grad_accumulation(setup, t
     """torchrun --nproc_per_node 2 (gloo, each process half of every batch) == 1 process on whole batches
     == 1 process in 3 micro-batches per step."""
     cache = setup["cache32"]
-    plan = train_mod.make_plan(cache_mod.HiddenCache(cache).conversations, 160, 2, 0)
+    plan = batches_mod.make_plan(cache_mod.HiddenCache(cache).conversations, 160, 2, 0)
     sizes = [len(b) for b in plan]  # conversations per step: most split between the processes; in a
     assert sum(n >= 2 for n in sizes) >= 4 and 1 in sizes, sizes  # 1-conversation step, rank 1 only joins the sums
     one = train_mod.train(config(cache, tmp_path / "one"), target=setup["target"])
@@ -170,8 +171,8 @@ def test_resume_with_another_number_of_processes(setup, tmp_path):
 def test_online_features_equal_the_cache(setup):
     cache = cache_mod.HiddenCache(setup["cache16"])
     indices = list(range(len(cache)))[:6]
-    batch = train_mod.collate(cache, indices, True, True)
-    tokens_only = train_mod.collate(cache, indices, False, False)
+    batch = batches_mod.collate(cache, indices, True, True)
+    tokens_only = batches_mod.collate(cache, indices, False, False)
     assert tokens_only.x_in is None and tokens_only.x_last is None
     assert torch.equal(tokens_only.tokens, batch.tokens) and torch.equal(tokens_only.assistant, batch.assistant)
     x_in, x_last = online_hidden_states(setup["target"], tokens_only.tokens, True, True)

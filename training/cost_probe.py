@@ -26,6 +26,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clover.config import TargetConfig  # noqa: E402
+from training import batches as batches_mod  # noqa: E402
+from training import forward as forward_mod  # noqa: E402
 from training import train as train_mod  # noqa: E402
 from training.features import online_hidden_states, online_target_dtype, peak_memory_mb, stored_dtype  # noqa: E402
 
@@ -52,12 +54,12 @@ def random_target(shape: str, dtype: torch.dtype, device: torch.device):
     return target.requires_grad_(False).eval()
 
 
-def probe_batch(vocab: int, batch_tokens: int, seq_len: int, device: torch.device) -> train_mod.Batch:
+def probe_batch(vocab: int, batch_tokens: int, seq_len: int, device: torch.device) -> batches_mod.Batch:
     """Random conversations of ``seq_len`` tokens whose second half is the answer."""
     rows = max(1, batch_tokens // seq_len)
     tokens = torch.randint(0, vocab, (rows, seq_len), generator=torch.Generator().manual_seed(0))
     assistant = (torch.arange(seq_len) >= seq_len // 2).expand(rows, -1)
-    return train_mod.Batch(None, None, tokens.to(device), assistant.to(device),
+    return batches_mod.Batch(None, None, tokens.to(device), assistant.to(device),
                            torch.full((rows,), seq_len, device=device), ["probe"] * rows)
 
 
@@ -79,7 +81,7 @@ def timed(fn, repeats: int, device: torch.device) -> tuple[float, float]:
 
 
 def probe(args) -> dict:
-    device = train_mod.pick_device(args.device)
+    device = forward_mod.pick_device(args.device)
     if args.shape:
         target = random_target(args.shape, online_target_dtype(args.target_dtype, device, None), device)
     else:
@@ -95,12 +97,12 @@ def probe(args) -> dict:
     target_s, target_cpu = timed(lambda: online_hidden_states(target, batch.tokens, True, True), args.repeats, device)
     target_mb = peak_memory_mb(device)
     x_in, x_last = online_hidden_states(target, batch.tokens, True, True)
-    full = train_mod.Batch(x_in, x_last, batch.tokens, batch.assistant, batch.lengths, batch.categories)
+    full = batches_mod.Batch(x_in, x_last, batch.tokens, batch.assistant, batch.lengths, batch.categories)
     cfg = train_mod.TrainConfig(method=args.method, cache="-", output="-", num_heads=args.num_heads,
                                 row_chunk=args.row_chunk, autocast=args.autocast, grad_checkpoint=args.grad_checkpoint,
                                 labels=args.labels, draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size)
     trainer = train_mod._Trainer(cfg, target, device)
-    roots = int(train_mod.find_roots(full, args.num_heads).valid[:, 0].sum())
+    roots = int(forward_mod.find_roots(full, args.num_heads).valid[:, 0].sum())
     step_s, step_cpu = timed(lambda: trainer.step([full], 1e-4), args.repeats, device)
     layer_params = sum(p.numel() for p in target.layers[0].parameters())
     return {"target": args.shape or args.target, "device": str(device),

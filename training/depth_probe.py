@@ -118,7 +118,8 @@ def teacher_forced_on_outputs(drafter, target, sequences: list[tuple[list[int], 
     import torch
 
     from training.hidden_cache import target_hidden_states
-    from training.train import Batch, head_weights, run_batch
+    from training.batches import Batch
+    from training.forward import head_weights, run_batch
 
     num_heads = drafter.config.num_heads
     count, hits = [0] * num_heads, {1: [0] * num_heads, 5: [0] * num_heads}

@@ -6,7 +6,7 @@
 On the target's own greedy answers to MT-bench first turns (evaluation only: never train on them), decoded
 by the project's engine (``--engine DIR``: onnxruntime; default the torch reference of ``--target``) and kept
 in ``--outputs`` (resumable: a rerun decodes only what is missing), it runs each set of heads teacher forced,
-exactly as training does (training/train.py ``compute_h0`` and ``Drafter.step``), and reports per depth i:
+exactly as training does (training/forward.py ``compute_h0`` and ``Drafter.step``), and reports per depth i:
 
 * ``h0``: the root state's norm (median, 90th percentile) and its largest ``|dim|`` (median over roots, max);
 * ``delta_raw``: ``||h_i - h_{i-1}||``, how much the token path changes the state, absolute and relative to
@@ -50,9 +50,9 @@ def greedy_outputs(path: Path, engine_dir: str | None, target: str, limit: int |
 
 
 def conversation_batch(target, record: dict):
-    """A one-conversation :class:`training.train.Batch` with the target's hidden states (fp32)."""
+    """A one-conversation :class:`training.batches.Batch` with the target's hidden states (fp32)."""
     from training.hidden_cache import target_hidden_states
-    from training.train import Batch
+    from training.batches import Batch
 
     ids = record["prompt_ids"] + record["response_ids"]
     tokens = torch.tensor([ids])
@@ -87,7 +87,7 @@ def measure_conversation(drafter, target, batch, stats: list[DepthStats], h0_sta
                          generator: torch.Generator) -> None:
     """Teacher-forced chain over one conversation's answer roots; adds each depth's measurements to ``stats``."""
     from clover.drafters import draft_vocab_of
-    from training.train import DraftRows, compute_h0, find_roots
+    from training.forward import DraftRows, compute_h0, find_roots
 
     weight = target.lm_head.weight
     rows = DraftRows.of(drafter, weight)

@@ -1,7 +1,7 @@
 """Data-parallel training over torch.distributed: ``torchrun --nproc_per_node N training/train.py ...``.
 
 Every process (rank) holds the frozen target and a replica of the drafter. One optimizer step
-reads one batch of the plan (:func:`training.train.make_plan`, the same for any number of
+reads one batch of the plan (:func:`training.batches.make_plan`, the same for any number of
 processes) and splits its conversations round-robin into ``N x grad_accum`` micro-batches; rank r
 runs micro-batches ``r * grad_accum ... (r + 1) * grad_accum - 1``. The loss is normalised by
 the label counts of the whole batch (summed over ranks before any backward pass), so N
@@ -9,7 +9,7 @@ processes, or gradient accumulation, give the weights one process gets on the wh
 floating-point summation order (tests/test_training_distributed.py).
 
 Gradients are summed with one ``all_reduce`` per step after the step's backward passes, not by
-``DistributedDataParallel``'s hooks: :func:`training.train.run_batch` runs several backward
+``DistributedDataParallel``'s hooks: :func:`training.forward.run_batch` runs several backward
 passes per step (the LM-head chunks, then the Augmenting Block once), and DDP's reducer allows
 one gradient per parameter per forward ("Expected to mark a variable ready only once").
 The collective is the one DDP would issue, without its overlap with the backward pass; the

@@ -8,7 +8,7 @@ Two measurements per set of heads, on the eval split:
 1. **Teacher-forced accuracy** (the paper's Figure 7) on the hidden-state cache:
    for every root position of every eval answer, head i gets the ground-truth
    chain and must rank token t+i+2 first (top-1) or in its top 5 (top-5).
-   This is the training forward (:func:`training.train.run_batch`) without the
+   This is the training forward (:func:`training.forward.run_batch`) without the
    backward.
 2. **Decoding** with :class:`clover.decode.SpeculativeDecoder` on an
    onnxruntime engine built from the heads (``--backend torch``: the torch
@@ -48,7 +48,8 @@ from clover.config import TreeConfig  # noqa: E402
 VARIANTS = ("heads", "heads+suffix", "suffix")  # MT-bench drafting variants (decode_rows)
 from training.data import CATEGORIES, CATEGORY_TITLES  # noqa: E402
 from training.hidden_cache import HiddenCache  # noqa: E402
-from training.train import collate, head_weights, pick_device, run_batch  # noqa: E402
+from training.batches import collate  # noqa: E402
+from training.forward import head_weights, pick_device, run_batch  # noqa: E402
 
 
 def _batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -63,8 +64,12 @@ def _batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[
 
 
 def teacher_forced(drafter, target, cache: HiddenCache, *, batch_tokens: int = 4096, row_chunk: int = 1024,
-                   device="cpu", topk=(1, 5), max_conversations: int | None = None) -> dict:
-    """Per-head top-k accuracy, overall and per category (counts and hits included)."""
+                   device="cpu", topk=(1, 5), max_conversations: int | None = None, loss: dict | None = None) -> dict:
+    """Per-head top-k accuracy, overall and per category (counts and hits included).
+
+    ``overall["loss"]``: the training loss on these conversations, head weights 1 (``loss``: the run's other
+    loss settings, :func:`training.forward.run_batch`'s keywords), batches weighted by their head-1 labels.
+    """
     drafter = drafter.float().to(device).eval()
     weight = target.lm_head.weight.detach().float().to(device)
     num_heads = drafter.config.num_heads
@@ -77,7 +82,7 @@ def teacher_forced(drafter, target, cache: HiddenCache, *, batch_tokens: int = 4
 
     def empty():
         return {"count": [0] * num_heads, "hits": {k: [0] * num_heads for k in topk},
-                "agree": {k: [0] * num_heads for k in topk}}
+                "agree": {k: [0] * num_heads for k in topk}, "loss": 0.0}
 
     totals, per_cat = empty(), {}
     for cat, indices in sorted(by_cat.items()):
@@ -86,24 +91,29 @@ def teacher_forced(drafter, target, cache: HiddenCache, *, batch_tokens: int = 4
             batch = collate(cache, batch_indices, drafter.augment is not None, True, device)
             with torch.no_grad():
                 stats = run_batch(drafter, target, weight, batch, row_chunk=row_chunk,
-                                  weights=head_weights(num_heads, 1.0), train=False, topk=topk)
+                                  weights=head_weights(num_heads, 1.0), train=False, topk=topk, **(loss or {}))
             for target_acc in (acc, totals):
-                for i in range(num_heads):
-                    target_acc["count"][i] += stats["count"][i]
-                    for k in topk:
-                        target_acc["hits"][k][i] += stats["hits"][k][i]
-                        target_acc["agree"][k][i] += stats["agree"][k][i]
+                _add_counts(target_acc, stats, topk)
+    return {"overall": _finish(totals, topk), "by_category": {c: _finish(a, topk) for c, a in per_cat.items()}}
 
-    def finish(acc):
-        """top-k: the head ranks the text's token in its top k; agree-k: the target's own top-1 (what
-        greedy verification accepts; on the target's greedy answers the two are the same)."""
-        out = {"count": acc["count"]}
+
+def _add_counts(acc: dict, stats: dict, topk) -> None:
+    acc["loss"] += stats["loss"] * stats["count"][0]
+    for i in range(len(acc["count"])):
+        acc["count"][i] += stats["count"][i]
         for k in topk:
-            out[f"top{k}"] = [h / c if c else 0.0 for h, c in zip(acc["hits"][k], acc["count"])]
-            out[f"agree{k}"] = [h / c if c else 0.0 for h, c in zip(acc["agree"][k], acc["count"])]
-        return out
+            acc["hits"][k][i] += stats["hits"][k][i]
+            acc["agree"][k][i] += stats["agree"][k][i]
 
-    return {"overall": finish(totals), "by_category": {c: finish(a) for c, a in per_cat.items()}}
+
+def _finish(acc: dict, topk) -> dict:
+    """top-k: the head ranks the text's token in its top k; agree-k: the target's own top-1 (what
+    greedy verification accepts; on the target's greedy answers the two are the same)."""
+    out = {"count": acc["count"], "loss": acc["loss"] / acc["count"][0] if acc["count"][0] else 0.0}
+    for k in topk:
+        out[f"top{k}"] = [h / c if c else 0.0 for h, c in zip(acc["hits"][k], acc["count"])]
+        out[f"agree{k}"] = [h / c if c else 0.0 for h, c in zip(acc["agree"][k], acc["count"])]
+    return out
 
 
 def select_prompts(records: list[dict], per_category: int, seed: int = 0) -> list[dict]:
@@ -141,7 +151,7 @@ def decode_engine(target_dir, drafter_dir: Path, backend: str, work_dir: Path, *
     from clover.backends.onnxruntime import OnnxRuntimeEngine
     from clover.export.builder import build_engine
 
-    from training.train import run_digest
+    from training.run_dir import run_digest
 
     # a rerun (resuming MT-bench) reuses the engine built from the same heads and settings
     stamp = f"{run_digest(drafter_dir)}:{max_seq}:{max_batch}"

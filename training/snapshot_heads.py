@@ -24,7 +24,8 @@ if __package__ in (None, ""):
 
 from clover.config import ConfigError  # noqa: E402
 from clover.drafters import save_drafter  # noqa: E402
-from training.train import RUN_CONFIG_FILE, STATE_FILE, TrainConfig, build_drafter  # noqa: E402
+from training.run_dir import RUN_CONFIG_FILE, STATE_FILE  # noqa: E402
+from training.train import TrainConfig, build_drafter  # noqa: E402
 
 
 def snapshot(run_dir: Path, output: Path, target=None) -> dict:

@@ -54,8 +54,8 @@ rounding), so a run may resume with another N.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -72,18 +72,18 @@ from torch import nn
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clover.attention import causal_packed_mask  # noqa: E402
 from clover.config import DRAFTER_METHODS, TOKEN_PATHS, ConfigError, DrafterConfig  # noqa: E402
-from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, calibrate_token_scale, draft_vocab_of,  # noqa: E402
-                             load_drafter, read_draft_vocab, save_drafter, set_draft_vocab)
+from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, calibrate_token_scale, load_drafter,  # noqa: E402
+                             read_draft_vocab, save_drafter, set_draft_vocab)
+from training.batches import Batch, assistant_tokens, collate, plan_digest, plan_epochs  # noqa: E402
 from training.distributed import Distributed  # noqa: E402
 from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,  # noqa: E402
                                online_target_dtype, peak_memory_mb, stored_dtype)
+from training.forward import find_roots, head_weights, pick_device, run_batch  # noqa: E402
 from training.hidden_cache import HiddenCache, open_training_data  # noqa: E402
+from training.run_dir import (EVAL_LOG_FILE, LOG_FILE, STATE_FILE, SUMMARY_FILE, CheckpointClock,  # noqa: E402
+                              Progress, append_json_line, claim_output_on_main, drop_log_lines_after, save_atomic)
 
-STATE_FILE, RUN_CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "train_state.pt", "run_config.json", "train_log.jsonl", \
-    "training_summary.json"
-EVAL_LOG_FILE = "eval_log.jsonl"
 LABELS = ("hard", "soft")
 STATE_VERSION = 1
 
@@ -117,6 +117,7 @@ class TrainConfig:
     autocast: str | None = None           # "bf16": mixed precision (fp32 weights, bf16 matmuls; fast on AMX/GPU)
     seed: int = 0
     save_every: int = 20
+    save_minutes: float = 5.0             # also checkpoint when this long has passed since the last one
     log_every: int = 10
     device: str = "auto"
     threads: int | None = None
@@ -124,6 +125,7 @@ class TrainConfig:
     eval_cache: str | None = None         # held-out cache for the learning curve (eval_log.jsonl)
     eval_every: int = 0                   # steps between curve points; 0: none
     eval_conversations: int = 200         # held-out conversations per curve point
+    eval_epochs: bool = False             # also a curve point, and the heads in epoch-K/, at each epoch's end
     features: str = "cache"               # "online": the target runs inside the step (training/features.py)
     target_dtype: str = "auto"            # online: auto = fp32 on CPU, the checkpoint's bf16/fp16 on GPU
     grad_accum: int = 1                   # micro-batches per process per step (same weights, less memory)
@@ -134,8 +136,8 @@ class TrainConfig:
     token_path: str = "residual"          # how the regressive step mixes in its token (DrafterConfig.token_path)
 
     # fields that may differ between a run and its resumption (none changes the weights beyond float rounding)
-    RESUME_FREE = ("save_every", "log_every", "device", "threads", "progress", "output", "cache", "target",
-                   "eval_cache", "eval_every", "eval_conversations", "features", "target_dtype", "grad_accum",
+    RESUME_FREE = ("save_every", "save_minutes", "log_every", "device", "threads", "progress", "output", "cache", "target",
+                   "eval_cache", "eval_every", "eval_conversations", "eval_epochs", "features", "target_dtype", "grad_accum",
                    "grad_checkpoint")
 
     @property
@@ -161,380 +163,6 @@ class Interrupted(Exception):
 
 
 # ---------------------------------------------------------------------------
-# batches
-
-
-@dataclasses.dataclass
-class Batch:
-    """Padded conversations. x_in / x_last ``[B, T, H]`` (None when not needed),
-    tokens int64 ``[B, T]``, assistant bool ``[B, T]``, lengths int64 ``[B]``."""
-
-    x_in: torch.Tensor | None
-    x_last: torch.Tensor | None
-    tokens: torch.Tensor
-    assistant: torch.Tensor
-    lengths: torch.Tensor
-    categories: list[str]
-
-
-def assistant_tokens(conv: dict) -> int:
-    return conv["length"] - conv["num_prompt"]
-
-
-def make_plan(conversations: list[dict], batch_tokens: int, epochs: int, seed: int, bucket_size: int = 256,
-              max_tokens: int | None = None) -> list[list[int]]:
-    """Batches of conversation indices: per epoch a seeded shuffle, buckets of ``bucket_size``
-    sorted by length, greedy packing under ``batch_tokens`` padded tokens, shuffled batch order.
-    Cut after the batch that reaches ``max_tokens`` assistant tokens."""
-    lengths = np.array([c["length"] for c in conversations])
-    plan: list[list[int]] = []
-    seen = 0
-    for epoch in range(epochs):
-        rng = np.random.default_rng([seed, epoch])
-        order = rng.permutation(len(conversations))
-        epoch_batches = []
-        for start in range(0, len(order), bucket_size):
-            bucket = sorted(order[start: start + bucket_size].tolist(), key=lambda i: (lengths[i], i))
-            current: list[int] = []
-            for i in bucket:
-                if current and (len(current) + 1) * max(lengths[i], lengths[current[-1]]) > batch_tokens:
-                    epoch_batches.append(current)
-                    current = []
-                current.append(i)
-            if current:
-                epoch_batches.append(current)
-        for k in rng.permutation(len(epoch_batches)):
-            plan.append(epoch_batches[k])
-            seen += sum(assistant_tokens(conversations[i]) for i in epoch_batches[k])
-            if max_tokens is not None and seen >= max_tokens:
-                return plan
-    return plan
-
-
-def collate(cache: HiddenCache, indices: list[int], need_input: bool, need_last: bool,
-            device: torch.device | str = "cpu") -> Batch:
-    """Pad conversations ``indices`` into a :class:`Batch`; with neither hidden state needed, only their tokens
-    are read (``--features online`` then fills them: :func:`training.features.online_hidden_states`)."""
-    convs = [cache.conversation(i) if need_input or need_last else cache.tokens(i) for i in indices]
-    lengths = torch.tensor([len(c["tokens"]) for c in convs])
-    batch, width, hidden = len(convs), int(lengths.max()), cache.hidden_size
-    tokens = torch.zeros(batch, width, dtype=torch.long)
-    assistant = torch.zeros(batch, width, dtype=torch.bool)
-    x_in = torch.zeros(batch, width, hidden) if need_input else None
-    x_last = torch.zeros(batch, width, hidden) if need_last else None
-    for row, c in enumerate(convs):
-        n = len(c["tokens"])
-        tokens[row, :n] = torch.from_numpy(c["tokens"].astype(np.int64))
-        assistant[row, :n] = torch.from_numpy(c["assistant_mask"].astype(bool))
-        if need_input:
-            x_in[row, :n] = torch.from_numpy(np.array(c["last_layer_input"], dtype=np.float32))  # a writable copy
-        if need_last:
-            x_last[row, :n] = torch.from_numpy(np.array(c["last_hidden"], dtype=np.float32))  # a writable copy
-    move = (lambda t: t.to(device) if t is not None else None)
-    return Batch(move(x_in), move(x_last), tokens.to(device), assistant.to(device), lengths.to(device),
-                 [cache.conversations[i].get("category", "") for i in indices])
-
-
-# ---------------------------------------------------------------------------
-# the training forward (shared with evaluate.py)
-
-
-def compute_h0(drafter: Drafter, target, batch: Batch) -> torch.Tensor:
-    """h0 ``[B, T, H]``: the Augmenting Block over the whole (causal) sequence, else the last hidden state.
-
-    Clover-2's block runs in ``draft_prefill`` at inference, on the last hidden state and the token after
-    each position: here the same call over the whole sequence (a padded last position reads token 0; it
-    is never a root, see :func:`find_roots`).
-    """
-    if drafter.has_draft_prefill:
-        return _clover2_states(drafter, target, batch)
-    if drafter.augment is None:
-        return batch.x_last
-    x = batch.x_in
-    bsz, length, _ = x.shape
-    cfg = target.config
-    position_ids = torch.arange(length, device=x.device).expand(bsz, -1)
-    cos, sin = target.rope(position_ids)
-    empty = torch.zeros(bsz, cfg.num_kv_heads, 0, cfg.head_dim, dtype=x.dtype, device=x.device)
-    h0, _, _ = drafter.augment(x, cos.to(x.dtype), sin.to(x.dtype), torch.zeros(bsz, dtype=torch.int32, device=x.device),
-                               causal_packed_mask(bsz, length, x.device), empty, empty)
-    return h0
-
-
-def _clover2_states(drafter, target, batch: Batch) -> torch.Tensor:
-    x = batch.x_last
-    bsz, length, _ = x.shape
-    cfg = target.config
-    next_token = torch.cat([batch.tokens[:, 1:], torch.zeros_like(batch.tokens[:, :1])], dim=1)
-    position_ids = torch.arange(length, device=x.device).expand(bsz, -1)
-    empty = [torch.zeros(bsz, cfg.num_kv_heads, 0, cfg.head_dim, dtype=x.dtype, device=x.device)] * drafter.num_kv_layers
-    state, _, _ = drafter.prefill(x, next_token, position_ids, torch.zeros(bsz, dtype=torch.int32, device=x.device),
-                                  causal_packed_mask(bsz, length, x.device), empty, empty,
-                                  target.lm_head.weight.to(device=x.device, dtype=x.dtype))
-    return state
-
-
-@dataclasses.dataclass
-class Roots:
-    """Root positions and their teacher-forced chains (N roots, K heads).
-
-    b, t: int64 ``[N]``; tok_in, labels: int64 ``[N, K]`` (token t+i+1 fed to head i,
-    token t+i+2 it must predict); valid: bool ``[N, K]`` (nested: valid[:, i+1] implies valid[:, i])."""
-
-    b: torch.Tensor
-    t: torch.Tensor
-    tok_in: torch.Tensor
-    labels: torch.Tensor
-    valid: torch.Tensor
-
-
-def find_roots(batch: Batch, num_heads: int) -> Roots:
-    tokens, assistant, lengths = batch.tokens, batch.assistant, batch.lengths
-    bsz, width = tokens.shape
-    pos = torch.arange(width, device=tokens.device)
-    offsets = torch.arange(num_heads, device=tokens.device)
-    label_pos = pos[:, None] + 2 + offsets[None, :]                      # [T, K]
-    inside = label_pos[None] < lengths[:, None, None]                     # [B, T, K]
-    label_clamped = label_pos.clamp(max=width - 1)
-    label_assistant = assistant[:, label_clamped]                          # [B, T, K]
-    root_assistant = assistant[:, (pos + 1).clamp(max=width - 1)] & ((pos + 1)[None] < lengths[:, None])
-    valid = inside & label_assistant & root_assistant[..., None]
-    valid = valid.long().cumprod(dim=-1).bool()                                  # nested by construction
-    b, t = valid[..., 0].nonzero(as_tuple=True)
-    in_pos = (t[:, None] + 1 + offsets[None]).clamp(max=width - 1)
-    lab_pos = (t[:, None] + 2 + offsets[None]).clamp(max=width - 1)
-    return Roots(b, t, tokens[b[:, None], in_pos], tokens[b[:, None], lab_pos], valid[b, t])
-
-
-@dataclasses.dataclass
-class DraftRows:
-    """The LM-head rows the heads score: the full vocabulary, or the drafter's draft vocabulary V'
-    (FR-Spec; docs/drafter.md#draft-vocabulary), exactly as the engine's draft step scores them.
-
-    ids: int64 ``[V']`` target ids (None: the full vocabulary); weight ``[V' or V, H]``;
-    column: int64 ``[V]``, a target id's column in the heads' logits, -100 outside V'."""
-
-    ids: torch.Tensor | None
-    weight: torch.Tensor
-    column: torch.Tensor | None
-
-    @classmethod
-    def of(cls, drafter: Drafter, lm_head_weight: torch.Tensor) -> "DraftRows":
-        ids = draft_vocab_of(drafter)
-        if ids is None:
-            return cls(None, lm_head_weight, None)
-        ids = ids.to(lm_head_weight.device)
-        column = torch.full((lm_head_weight.shape[0],), -100, dtype=torch.long, device=ids.device)
-        column[ids] = torch.arange(len(ids), device=ids.device)
-        return cls(ids, lm_head_weight[ids], column)
-
-    def to_target_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        """Target token ids of logit columns (any shape)."""
-        return columns if self.ids is None else self.ids[columns]
-
-    def to_columns(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Logit columns of target token ids; -100 (cross-entropy's ignore index) outside V'."""
-        return token_ids if self.column is None else self.column[token_ids]
-
-
-def head_outputs(drafter: Drafter, lm_head_weight: torch.Tensor, h_rows: torch.Tensor, tok_in: torch.Tensor,
-                 valid: torch.Tensor, scored: torch.Tensor | None = None):
-    """Teacher-forced regressive chain, the very ``drafter.step`` calls of inference.
-
-    Args:
-        h_rows ``[N, H]``: h0 at the roots; tok_in, valid ``[N, K]``; scored: the LM-head rows the heads
-            score (:class:`DraftRows`), default all.
-    Yields:
-        (head i, row indices ``[n_i]`` into N, feature ``[n_i, H]``, logits ``[n_i, V or V']``) for the rows
-        whose head-i label is valid (feature: :meth:`clover.drafters.Drafter.step_with_feature`).
-    """
-    rows = torch.arange(h_rows.shape[0], device=h_rows.device)
-    hidden = h_rows
-    for i in range(valid.shape[1]):
-        keep = valid[rows, i]
-        rows, hidden = rows[keep], hidden[keep]
-        if rows.numel() == 0:
-            return
-        hidden, feature, logits = drafter.step_with_feature(hidden, tok_in[rows, i], i, lm_head_weight, scored)
-        yield i, rows, feature, logits
-
-
-def head_logits(drafter: Drafter, lm_head_weight: torch.Tensor, h_rows: torch.Tensor, tok_in: torch.Tensor,
-                valid: torch.Tensor):
-    """:func:`head_outputs` without the features: (head i, rows, logits)."""
-    for i, rows, _, logits in head_outputs(drafter, lm_head_weight, h_rows, tok_in, valid):
-        yield i, rows, logits
-
-
-def label_source_positions(roots: Roots, rows: torch.Tensor, head: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch row, position) whose target last hidden state predicts head ``head``'s label.
-
-    Head i at root t predicts token t+i+2; the target predicts that token from
-    its state at t+i+1, so the soft label and the regression target both sit there.
-    """
-    return roots.b[rows], roots.t[rows] + head + 1
-
-
-def target_logits(target, lm_head_weight: torch.Tensor, last_hidden: torch.Tensor) -> torch.Tensor:
-    """The target's own logits from its last hidden state: the frozen final norm, then the LM head."""
-    return target.norm(last_hidden.to(target.norm.weight.dtype)).to(lm_head_weight.dtype) @ lm_head_weight.T
-
-
-def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """Summed ``-sum_v p(v) log q(v)`` over rows; equals the hard cross-entropy when ``p`` is one-hot."""
-    return -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum()
-
-
-def regression_target(drafter: Drafter, target, last_hidden: torch.Tensor) -> torch.Tensor:
-    """What a head's feature regresses onto (Clover-2): the target's last hidden state, normed for Medusa,
-    whose feature comes after its (frozen) norm (see :meth:`clover.drafters.Drafter.step_with_feature`)."""
-    if drafter.is_medusa:
-        return target.norm(last_hidden.to(target.norm.weight.dtype))
-    return last_hidden
-
-
-def head_weights(num_heads: int, decay: float) -> list[float]:
-    return [decay ** i for i in range(num_heads)]
-
-
-@dataclasses.dataclass
-class LossSpec:
-    """How one head's loss is formed (docs/drafter.md#training): ``weights[i] * (CE_i + regression_weight * reg_i)``,
-    CE against the label token (``hard``) or the target's distribution (``soft``)."""
-
-    weights: list[float]
-    labels: str = "hard"
-    regression_weight: float = 0.0
-    topk_weight: float = 0.0  # HASS (arXiv 2408.15766) top-K distillation: -sum_{v in top-K of p} p(v) log q(v)
-    topk_tokens: int = 10
-
-    @property
-    def needs_target_hidden(self) -> bool:
-        return self.labels == "soft" or self.regression_weight > 0 or self.topk_weight > 0
-
-
-class SoftLabels:
-    """The target's distribution over the scored rows (:class:`DraftRows`) at the label source positions of a
-    chunk of roots, computed once per position: root t's head i+1 and root t+1's head i read the same one, so
-    per head it would be computed up to K times (most of a training step's LM-head work besides the heads').
-
-    With a draft vocabulary V' it is the target's logits at those rows, renormalised (EAGLE-3's choice)."""
-
-    def __init__(self, target, rows: DraftRows, x_last: torch.Tensor, roots: Roots, chunk: slice) -> None:
-        self.width = x_last.shape[1]
-        heads = torch.arange(roots.valid.shape[1], device=x_last.device)
-        flat = self._flat(roots.b[chunk, None], roots.t[chunk, None] + heads + 1)  # [n, K]
-        self.positions = torch.unique(flat[roots.valid[chunk]])  # sorted
-        with torch.no_grad():
-            logits = target_logits(target, rows.weight, x_last.flatten(0, 1)[self.positions])
-            self.probs = torch.softmax(logits.float(), dim=-1)
-
-    def _flat(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return b * self.width + t
-
-    def at(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """``[n, V']`` at the positions (b, t), which must be among the chunk's label source positions."""
-        return self.probs[torch.searchsorted(self.positions, self._flat(b, t))]
-
-
-def head_loss(drafter: Drafter, target, rows: DraftRows, feature: torch.Tensor, logits: torch.Tensor,
-              labels: torch.Tensor, last_hidden: torch.Tensor | None, spec: LossSpec,
-              target_probs: torch.Tensor | None = None) -> torch.Tensor:
-    """Summed loss of one head over its rows.
-
-    ``labels``: target token ids ``[n]``; ``last_hidden`` ``[n, H]``: the target's last hidden state at the
-    label source positions (:func:`label_source_positions`), or None when the loss does not read it;
-    ``target_probs`` ``[n, V']``: the soft label there (:class:`SoftLabels`), needed when ``spec.labels`` is
-    soft. A hard label outside the draft vocabulary counts no loss.
-    """
-    logits = logits.float()
-    if spec.labels == "hard" or target_probs is None:
-        loss = nn.functional.cross_entropy(logits, rows.to_columns(labels), reduction="sum", ignore_index=-100)
-    else:
-        loss = soft_cross_entropy(logits, target_probs)
-    if spec.topk_weight and target_probs is not None:
-        top = target_probs.topk(min(spec.topk_tokens, target_probs.shape[-1]), dim=-1)  # the target's K likeliest tokens
-        log_q = torch.log_softmax(logits, dim=-1).gather(-1, top.indices)
-        loss = loss - spec.topk_weight * (top.values * log_q).sum()
-    if spec.regression_weight:
-        goal = regression_target(drafter, target, last_hidden).float()
-        loss = loss + spec.regression_weight * nn.functional.smooth_l1_loss(
-            feature.float(), goal, reduction="none").mean(-1).sum()
-    return loss
-
-
-def target_top1(target, lm_head_weight: torch.Tensor, last_hidden: torch.Tensor) -> torch.Tensor:
-    """The target's greedy token ``[n]`` over its full vocabulary: what verification accepts."""
-    with torch.no_grad():
-        return target_logits(target, lm_head_weight, last_hidden).argmax(-1)
-
-
-def _count_hits(stats: dict, head: int, logits: torch.Tensor, labels: torch.Tensor,
-                target_top: torch.Tensor | None, rows: DraftRows) -> None:
-    """Add one head's top-k hits: against the label token, and against the target's top-1 (``agree``) if known.
-    Both are target ids over the full vocabulary, so a token outside the draft vocabulary is a miss."""
-    with torch.no_grad():
-        top = rows.to_target_ids(logits.topk(max(stats["hits"]), dim=-1).indices)
-        for k in stats["hits"]:
-            stats["hits"][k][head] += int((top[:, :k] == labels[:, None]).any(-1).sum())
-            if target_top is not None:
-                stats["agree"][k][head] += int((top[:, :k] == target_top[:, None]).any(-1).sum())
-
-
-def run_batch(drafter: Drafter, target, lm_head_weight: torch.Tensor, batch: Batch, *, row_chunk: int,
-              weights: list[float], train: bool, topk: tuple[int, ...] = (1,), labels: str = "hard",
-              regression_weight: float = 0.0, topk_weight: float = 0.0, topk_tokens: int = 10) -> dict:
-    """Forward (and backward when ``train``) over one batch, LM head in chunks of roots.
-
-    The loss is ``sum_i w_i * mean_i(CE + regression_weight * SmoothL1)`` (:func:`head_loss`).
-    Chunks backpropagate into a detached copy of the roots' h0, whose gradient
-    then flows through the Augmenting Block once, so memory is bounded by
-    ``row_chunk x V`` per head. Returns loss, and per head the label count, the
-    top-k hits and, when the target's hidden states are read, its top-1's hits (``agree``).
-    """
-    num_heads = drafter.config.num_heads
-    spec = LossSpec(weights, labels, regression_weight, topk_weight, topk_tokens)
-    roots = find_roots(batch, num_heads)
-    counts = roots.valid.sum(0)
-    read_target = batch.x_last is not None and (spec.needs_target_hidden or not train)
-    stats = {"loss": 0.0, "count": counts.tolist(), "hits": {k: [0] * num_heads for k in topk},
-             "agree": {k: [0] * num_heads for k in topk} if read_target else None, "categories": None}
-    if roots.b.numel() == 0:
-        return stats
-    with torch.set_grad_enabled(train):
-        h0 = compute_h0(drafter, target, batch)
-        h_rows = h0[roots.b, roots.t]
-    leaf = h_rows.detach().requires_grad_(True) if (train and h_rows.requires_grad) else h_rows
-    scored = DraftRows.of(drafter, lm_head_weight)
-    total = 0.0
-    for start in range(0, h_rows.shape[0], row_chunk):
-        sl = slice(start, start + row_chunk)
-        with torch.set_grad_enabled(train):
-            loss = leaf.new_zeros(())
-            chunk_rows = torch.arange(h_rows.shape[0], device=h_rows.device)[sl]
-            soft = (SoftLabels(target, scored, batch.x_last, roots, sl)
-                    if read_target and (labels == "soft" or topk_weight) else None)
-            for i, rows, feature, logits in head_outputs(drafter, lm_head_weight, leaf[sl], roots.tok_in[sl],
-                                                         roots.valid[sl], scored.weight):
-                label = roots.labels[sl][rows, i]
-                source = label_source_positions(roots, chunk_rows[rows], i)
-                last_hidden = batch.x_last[source] if read_target else None
-                term = head_loss(drafter, target, scored, feature, logits, label, last_hidden, spec,
-                                 soft.at(*source) if soft else None)
-                loss = loss + weights[i] * term / counts[i]
-                # training reads only the label hits: the target's own top-1 (a full-vocabulary pass) is for eval
-                target_top = target_top1(target, lm_head_weight, last_hidden) if read_target and not train else None
-                _count_hits(stats, i, logits, label, target_top, scored)
-            if train and loss.requires_grad:
-                loss.backward()
-        total += float(loss.detach())
-    if train and leaf is not h_rows and leaf.grad is not None:
-        h_rows.backward(leaf.grad)
-    stats["loss"] = total
-    return stats
-
-
-# ---------------------------------------------------------------------------
 # the loop
 
 
@@ -543,12 +171,6 @@ def lr_at(step: int, total: int, base: float, warmup: int, min_ratio: float) -> 
         return base * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def build_drafter(cfg: TrainConfig, target) -> Drafter:
@@ -584,27 +206,10 @@ def _load_init_weights(drafter: Drafter, directory: str, target) -> None:
         raise ConfigError(f"--init {directory}: its weights do not fit this run's heads ({exc})") from exc
 
 
-def _save_atomic(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return f"GPU {torch.cuda.get_device_name(device)}"
     return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
-
-
-@dataclasses.dataclass
-class _Progress:
-    """Where a run stands; saved in ``train_state.pt`` and restored on resume."""
-
-    step: int = 0
-    tokens_seen: int = 0    # assistant tokens of the batches done
-    elapsed: float = 0.0    # training seconds of the earlier sessions of this run
 
 
 class _Trainer:
@@ -657,22 +262,31 @@ class _Trainer:
         self.optimizer.step()
         return stats, grad_norm
 
-    def save_state(self, path: Path, progress: _Progress, elapsed: float) -> None:
-        _save_atomic({"version": STATE_VERSION, "resume_key": self.cfg.resume_key(), "step": progress.step,
-                      "tokens": progress.tokens_seen, "elapsed": elapsed, "drafter": self.drafter.state_dict(),
-                      "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, path)
+    def save_state(self, path: Path, progress: Progress, elapsed: float, plan_digest: str) -> None:
+        """Write everything the next step depends on; the data position is the step (the plan is rebuilt from
+        the data and the settings, and ``plan_digest`` checks it is the same plan on resume)."""
+        save_atomic({"version": STATE_VERSION, "resume_key": self.cfg.resume_key(), "step": progress.step,
+                     "tokens": progress.tokens_seen, "elapsed": elapsed, "drafter": self.drafter.state_dict(),
+                     "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                     "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
+                     "plan_digest": plan_digest}, path)
 
-    def load_state(self, path: Path) -> _Progress:
+    def load_state(self, path: Path, plan_digest: str) -> Progress:
         """Restore a checkpoint (weights, optimizer, RNG) if ``path`` holds one; the progress it had reached."""
         if not path.exists():
-            return _Progress()
+            return Progress()
         state = torch.load(path, map_location="cpu", weights_only=False)  # RNG state must stay on CPU
         if state.get("version") != STATE_VERSION or state.get("resume_key") != self.cfg.resume_key():
             raise ConfigError(f"{path} belongs to another run; use another --output or delete it")
+        if state.get("plan_digest", plan_digest) != plan_digest:  # checkpoints from before the digest: trusted
+            raise ConfigError(f"{path}: the training data changed since this run started (another batch plan); "
+                              "use another --output, or restore the data")
         self.drafter.load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
-        return _Progress(state["step"], state["tokens"], state["elapsed"])
+        if state.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        return Progress(state["step"], state["tokens"], state["elapsed"])
 
 
 def train(cfg: TrainConfig, target=None, on_step=None) -> dict:
@@ -728,19 +342,20 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
         target = target.to(device=device, dtype=dtype)
     else:  # the rest stays on the CPU; soft labels and the regression target read the final norm on the device
         target.norm.to(device)
-    finished = _claim_output_on_main(cfg, out, dist)
+    finished = claim_output_on_main(cfg, out, dist)
     if finished is not None:
         return finished
 
-    plan = make_plan(cache.conversations, cfg.batch_tokens, cfg.epochs, cfg.seed, cfg.bucket_size, cfg.max_tokens)
+    plan, epoch_ends = plan_epochs(cache.conversations, cfg.batch_tokens, cfg.epochs, cfg.seed, cfg.bucket_size,
+                                   cfg.max_tokens)
     trainer = _Trainer(cfg, target, device, dist)
     if cfg.token_path == "scaled" and not cfg.init:  # the learned token scale starts at the data's root-state norm
         calibrate_token_scale(trainer.drafter, _root_state_sample(cache))
-    progress = trainer.load_state(out / STATE_FILE)
+    progress = trainer.load_state(out / STATE_FILE, plan_digest(plan))
     if dist.is_main:
-        _drop_log_lines_after(out / LOG_FILE, progress.step)
-        _drop_log_lines_after(out / EVAL_LOG_FILE, progress.step)
-    _run_steps(trainer, cache, plan, progress, out, on_step)
+        drop_log_lines_after(out / LOG_FILE, progress.step)
+        drop_log_lines_after(out / EVAL_LOG_FILE, progress.step)
+    _run_steps(trainer, cache, plan, progress, out, on_step, _LearningCurve(cfg, trainer, out, epoch_ends))
     summary = None
     if dist.is_main:
         save_drafter(trainer.drafter.cpu().eval(), out, dtype=torch.float16)
@@ -762,51 +377,8 @@ def _root_state_sample(cache, conversations: int = 8) -> torch.Tensor:
     return torch.cat(states)
 
 
-def _claim_output_on_main(cfg: TrainConfig, out: Path, dist: Distributed) -> dict | None:
-    """:func:`_claim_output` on rank 0; every rank gets its result, or raises its ConfigError."""
-    claim = None
-    if dist.is_main:
-        try:
-            claim = ("ok", _claim_output(cfg, out))
-        except ConfigError as exc:
-            claim = ("error", str(exc))
-    kind, value = dist.broadcast(claim)
-    if kind == "error":
-        raise ConfigError(value)
-    return value
-
-
-def _claim_output(cfg: TrainConfig, out: Path) -> dict | None:
-    """Record this run's settings in ``out``; the summary instead when the same run already completed there.
-
-    Raises ConfigError when ``out`` holds a run with other settings.
-    """
-    run_config_path = out / RUN_CONFIG_FILE
-    if run_config_path.exists():
-        previous = json.loads(run_config_path.read_text())
-        if previous.get("resume_key") != json.loads(json.dumps(cfg.resume_key())):
-            changed = sorted(k for k in cfg.resume_key() if previous.get("resume_key", {}).get(k) != cfg.resume_key()[k])
-            raise ConfigError(f"{out} holds a run with other settings ({', '.join(changed)}); "
-                              "use another --output or delete it")
-    summary_path = out / SUMMARY_FILE
-    if summary_path.exists():
-        summary = json.loads(summary_path.read_text())
-        if summary.get("complete"):
-            return summary
-    run_config_path.write_text(json.dumps({"resume_key": cfg.resume_key(), "config": dataclasses.asdict(cfg)},
-                                          indent=2) + "\n")
-    return None
-
-
-def _drop_log_lines_after(log_path: Path, step: int) -> None:
-    """Drop log lines past the checkpoint: the resumed run writes them again, identically."""
-    if log_path.exists():
-        kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        log_path.write_text("".join(line + "\n" for line in kept))
-
-
-def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], progress: _Progress, out: Path,
-               on_step) -> None:
+def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], progress: Progress, out: Path,
+               on_step, curve: "_LearningCurve") -> None:
     """Train from ``progress.step`` to the end of ``plan``: log, checkpoint and show progress as configured.
 
     Every rank runs every step on its share of the batch; only rank 0 writes (log, checkpoint, curve).
@@ -816,7 +388,8 @@ def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], pro
     cfg, total_steps, main = trainer.cfg, len(plan), trainer.dist.is_main
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(100, round(0.03 * total_steps)))
     feeder = _Feeder(cfg, cache, trainer)
-    curve = _LearningCurve(cfg, trainer, out)
+    checkpoints = CheckpointClock(cfg.save_every, 60 * cfg.save_minutes)
+    digest = plan_digest(plan)
     window: list[dict] = []  # the last 20 steps, for the progress bar
     bar = tqdm(total=total_steps, initial=progress.step, unit="step", disable=not (cfg.progress and main),
                dynamic_ncols=True, desc=cfg.method)
@@ -834,22 +407,18 @@ def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], pro
         if step % cfg.log_every == 0 or step == total_steps:
             memory = trainer.dist.max(memory, trainer.device)  # the largest rank's
             if main:
-                _append_json_line(out / LOG_FILE, {"step": step, "tokens": progress.tokens_seen, "lr": lr,
-                                                   "loss": stats["loss"], "top1": top1, "grad_norm": grad_norm,
-                                                   "max_memory_mb": memory, "elapsed_s": round(elapsed, 2)})
+                append_json_line(out / LOG_FILE, {"step": step, "tokens": progress.tokens_seen, "lr": lr,
+                                                  "loss": stats["loss"], "top1": top1, "grad_norm": grad_norm,
+                                                  "max_memory_mb": memory, "elapsed_s": round(elapsed, 2)})
             memory = 0.0
-        if main and (step % cfg.save_every == 0 or step == total_steps):
-            trainer.save_state(out / STATE_FILE, progress, progress.elapsed + (time.monotonic() - t0))
-        curve.maybe_measure(step, total_steps, progress.tokens_seen)
+        curve.maybe_measure(step, total_steps, progress.tokens_seen)  # before the checkpoint that covers its line
+        if main and checkpoints.due(step, total_steps):
+            trainer.save_state(out / STATE_FILE, progress, elapsed, digest)
+            checkpoints.written()
         if on_step is not None:
             on_step(step)
     bar.close()
     progress.elapsed += time.monotonic() - t0
-
-
-def _append_json_line(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 class _Feeder:
@@ -876,30 +445,41 @@ class _Feeder:
 
 
 class _LearningCurve:
-    """Teacher-forced accuracy on held-out data every ``eval_every`` steps, into ``eval_log.jsonl``.
+    """Teacher-forced accuracy and loss on held-out data every ``eval_every`` steps, and with ``eval_epochs`` at
+    each epoch's end (where the heads are also kept, in ``epoch-K/``), into ``eval_log.jsonl``.
 
-    The proxy for tokens per step against training tokens (training/README.md#learning-curve).
-    It reads the weights and changes nothing, so a resumed run still ends bit for bit the same.
+    The proxy for tokens per step against training tokens (training/README.md#learning-curve); the epoch
+    points choose how many epochs pay (docs/drafter.md#training-at-scale). It reads the weights and changes
+    nothing, so a resumed run still ends bit for bit the same.
     """
 
-    def __init__(self, cfg: TrainConfig, trainer: "_Trainer", out: Path) -> None:
-        self.cfg, self.trainer, self.path = cfg, trainer, out / EVAL_LOG_FILE
-        wanted = cfg.eval_cache and cfg.eval_every > 0 and trainer.dist.is_main
-        self.cache = HiddenCache(cfg.eval_cache) if wanted else None
+    def __init__(self, cfg: TrainConfig, trainer: "_Trainer", out: Path, epoch_ends: list[int]) -> None:
+        self.cfg, self.trainer, self.out, self.path = cfg, trainer, out, out / EVAL_LOG_FILE
+        self.epoch_of_end = {end: epoch + 1 for epoch, end in enumerate(epoch_ends)} if cfg.eval_epochs else {}
+        wanted = cfg.eval_cache and (cfg.eval_every > 0 or cfg.eval_epochs) and trainer.dist.is_main
+        self.cache = open_training_data(cfg.eval_cache, trainer.target) if wanted else None
+
+    def _due(self, step: int, total_steps: int) -> bool:
+        every = self.cfg.eval_every > 0 and (step % self.cfg.eval_every == 0 or step == total_steps)
+        return every or step in self.epoch_of_end
 
     def maybe_measure(self, step: int, total_steps: int, tokens: int) -> None:
-        if self.cache is None or not (step % self.cfg.eval_every == 0 or step == total_steps):
+        if self.cache is None or not self._due(step, total_steps):
             return
         from training.evaluate import teacher_forced
 
-        drafter = self.trainer.drafter
+        cfg, drafter = self.cfg, self.trainer.drafter
         result = teacher_forced(drafter, self.trainer.target, self.cache, device=self.trainer.device,
-                                max_conversations=self.cfg.eval_conversations, row_chunk=self.cfg.row_chunk)
+                                max_conversations=cfg.eval_conversations, row_chunk=cfg.row_chunk,
+                                loss={"labels": cfg.labels, "regression_weight": cfg.regression_weight,
+                                      "topk_weight": cfg.topk_weight, "topk_tokens": cfg.topk_tokens})
         drafter.train()
-        line = {"step": step, "tokens": tokens, **{k: result["overall"][k] for k in ("top1", "top5", "agree1")
+        line = {"step": step, "tokens": tokens, **{k: result["overall"][k] for k in ("top1", "top5", "agree1", "loss")
                                                    if k in result["overall"]}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        if step in self.epoch_of_end:
+            line["epoch"] = self.epoch_of_end[step]
+            save_drafter(copy.deepcopy(drafter).cpu().eval(), self.out / f"epoch-{line['epoch']}", dtype=torch.float16)
+        append_json_line(self.path, line)
 
 
 def _show_progress(bar, window: list[dict], num_heads: int, tokens_seen: int) -> None:
@@ -909,7 +489,7 @@ def _show_progress(bar, window: list[dict], num_heads: int, tokens_seen: int) ->
                     top1="/".join(f"{a:.2f}" for a in mean_top1), tok=tokens_seen)
 
 
-def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progress: _Progress, device: torch.device,
+def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progress: Progress, device: torch.device,
              log_path: Path, world_size: int = 1) -> dict:
     """``training_summary.json`` of a completed run; final loss and top-1 are means over its last 10 log lines."""
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line]
@@ -930,6 +510,7 @@ def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progre
         "torch": torch.__version__,
         "final_loss": sum(r["loss"] for r in recent) / len(recent) if recent else None,
         "final_top1": [sum(r["top1"][i] for r in recent) / len(recent) for i in range(cfg.num_heads)] if recent else None,
+        **_epoch_choice(log_path.parent / EVAL_LOG_FILE),
         "cache": {"path": str(cfg.cache), "conversations": len(cache), "tokens": cache.index["num_tokens"],
                   "source": cache.index.get("source", "")},
         "target_fingerprint": cache.index["target_fingerprint"],
@@ -938,17 +519,14 @@ def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progre
     }
 
 
-def run_digest(directory: str | Path) -> str:
-    """sha256 of a saved drafter's tensors (names, dtypes, shapes, bytes), for comparing runs.
-
-    Not of the file: safetensors writes its metadata in a random order."""
-    from safetensors.torch import load_file
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(load_file(str(Path(directory) / "model.safetensors")).items()):
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+def _epoch_choice(eval_log: Path) -> dict:
+    """The held-out loss at each epoch's end (``--eval-epochs``) and the epoch where it is lowest: the
+    epoch count to keep (its heads are in ``epoch-K/``; docs/drafter.md#training-at-scale)."""
+    lines = [json.loads(line) for line in eval_log.read_text().splitlines() if line] if eval_log.exists() else []
+    epochs = {r["epoch"]: r["loss"] for r in lines if "epoch" in r and "loss" in r}
+    if not epochs:
+        return {}
+    return {"eval_loss_by_epoch": epochs, "best_epoch": min(epochs, key=epochs.get)}
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -968,11 +546,16 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                  "bucket_size", "row_chunk", "seed", "warmup_steps", "threads", "topk_tokens"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=fields[name].default)
     for name in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip", "head_decay", "init_noise_std",
-                 "regression_weight", "topk_weight"):
+                 "regression_weight", "topk_weight", "save_minutes"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=fields[name].default)
     parser.add_argument("--eval-every", type=int, default=0, help="steps between learning-curve points (eval_log.jsonl)")
     parser.add_argument("--eval-conversations", type=int, default=200, help="held-out conversations per curve point")
-    parser.add_argument("--eval-cache", default=None, help="held-out hidden-state cache for the learning curve")
+    parser.add_argument("--eval-cache", default=None,
+                        help="held-out data for the learning curve: a hidden-state cache, or a distilled .jsonl "
+                             "(hidden states computed on the fly)")
+    parser.add_argument("--eval-epochs", action="store_true",
+                        help="also measure the curve at each epoch's end and keep those heads in epoch-K/: the "
+                             "epoch count is then chosen from the held-out loss (eval_log.jsonl, the summary)")
     parser.add_argument("--labels", choices=LABELS, default="hard",
                         help="hard: the text's next token; soft: the target's distribution (from the cached last "
                              "hidden state through the frozen norm and LM head)")
