@@ -685,6 +685,85 @@ def test_live_features_equal_the_cache(tiny, distilled, cache_dir, tmp_path):
     assert exact.index["disk_bytes"] == cache_mod.disk_bytes(exact.index["num_tokens"], 32, "float32")
 
 
+class _FakeClock:
+    """time.monotonic for run_dir.CheckpointClock: each reading is ``tick`` seconds after the last."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def monotonic(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def _recorded_batches(monkeypatch) -> list[list[int]]:
+    """Every plan batch the trainer feeds, in order (the data-loader position, observed)."""
+    seen: list[list[int]] = []
+    feed = train_mod._Feeder.micro_batches
+
+    def record(self, indices):
+        seen.append(list(indices))
+        return feed(self, indices)
+
+    monkeypatch.setattr(train_mod._Feeder, "micro_batches", record)
+    return seen
+
+
+def test_time_based_checkpoints_resume_exact_with_the_same_batches(tiny, cache_dir, tmp_path, monkeypatch):
+    """A run checkpointed by the clock (never by steps), killed between checkpoints and resumed, ends with the
+    weights of an unbroken run (to 1e-6, in fact bit for bit) after feeding it the same batches in the same
+    order; with --eval-epochs the held-out curve and the per-epoch heads are the same too."""
+    target = tiny["target"]
+    extra = dict(epochs=2, save_every=1000, save_minutes=1.0, labels="soft", topk_weight=1.0, eval_cache=str(cache_dir),
+                 eval_epochs=True, eval_conversations=4)
+    batches = _recorded_batches(monkeypatch)
+    ref = train_mod.train(tiny_config(cache_dir, tmp_path / "ref", **extra), target=target)
+    ref_batches = list(batches)
+    assert ref["steps"] == len(ref_batches) >= 6
+
+    monkeypatch.setattr(run_dir_mod, "time", _FakeClock(tick=25.0))  # a checkpoint about every third step
+    kill_at = ref["steps"] - 1
+
+    def kill(step):
+        if step == kill_at:
+            raise train_mod.Interrupted
+
+    cfg = tiny_config(cache_dir, tmp_path / "cut", **extra)
+    batches.clear()
+    with pytest.raises(train_mod.Interrupted):
+        train_mod.train(cfg, target=target, on_step=kill)
+    assert batches == ref_batches[:kill_at]
+    saved = torch.load(tmp_path / "cut" / run_dir_mod.STATE_FILE, weights_only=False)["step"]
+    assert 0 < saved < kill_at, "the clock, not the step count, wrote the checkpoint"
+    batches.clear()
+    resumed = train_mod.train(cfg, target=target)
+    assert batches == ref_batches[saved:], "the resumed run fed other batches"
+    a = torch.load(tmp_path / "ref" / run_dir_mod.STATE_FILE, weights_only=False)
+    b = torch.load(tmp_path / "cut" / run_dir_mod.STATE_FILE, weights_only=False)
+    for name in a["drafter"]:
+        torch.testing.assert_close(b["drafter"][name], a["drafter"][name], rtol=0, atol=1e-6)
+    for name in ("eval_loss_by_epoch", "best_epoch", "final_loss"):
+        assert resumed[name] == ref[name], name
+    assert sorted(resumed["eval_loss_by_epoch"]) == [1, 2]
+    for epoch in (1, 2):
+        assert run_dir_mod.run_digest(tmp_path / "ref" / f"epoch-{epoch}") == \
+            run_dir_mod.run_digest(tmp_path / "cut" / f"epoch-{epoch}")
+    assert run_dir_mod.run_digest(tmp_path / "cut" / "epoch-2") == run_dir_mod.run_digest(tmp_path / "cut")
+
+
+def test_resume_refuses_another_batch_plan(tiny, cache_dir, tmp_path):
+    target = tiny["target"]
+    cfg = tiny_config(cache_dir, tmp_path / "run", epochs=2)
+    with pytest.raises(train_mod.Interrupted):
+        train_mod.train(cfg, target=target, on_step=lambda step: step == 3 and (_ for _ in ()).throw(train_mod.Interrupted))
+    state_path = tmp_path / "run" / run_dir_mod.STATE_FILE
+    state = torch.load(state_path, weights_only=False)
+    state["plan_digest"] = "another plan"  # the data changed under the run
+    torch.save(state, state_path)
+    with pytest.raises(ConfigError, match="training data changed"):
+        train_mod.train(cfg, target=target)
+
+
 def test_soft_regression_training_resumes_bit_exact_with_a_curve(tiny, cache_dir, tmp_path):
     target = tiny["target"]
     extra = dict(labels="soft", regression_weight=10.0, head_decay=0.7, epochs=3, eval_cache=str(cache_dir),

@@ -45,9 +45,10 @@ class CheckpointClock:
     most that much work however long a step takes. Where the checkpoints fall never changes the weights: a
     checkpoint holds all a step depends on (docs/drafter.md#training)."""
 
-    def __init__(self, every_steps: int, every_seconds: float, clock=time.monotonic) -> None:
-        self.every_steps, self.every_seconds, self.clock = every_steps, every_seconds, clock
-        self.last = clock()
+    def __init__(self, every_steps: int, every_seconds: float, clock=None) -> None:
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        self.clock = clock or time.monotonic  # looked up here, so a test may replace this module's clock
+        self.last = self.clock()
 
     def due(self, step: int, total_steps: int) -> bool:
         if step == total_steps or (self.every_steps and step % self.every_steps == 0):
