@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -392,6 +393,12 @@ def test_models(client):
     assert client.models.retrieve("clover").id == "clover"
 
 
+def test_health_answers_with_a_status(served):
+    with urllib.request.urlopen(f"{served.base_url.removesuffix('/v1')}/health", timeout=30) as response:
+        assert response.status == 200
+        assert json.loads(response.read()) == {"status": "ok", "model": "clover", "triton": served.grpc_url}
+
+
 def test_chat_equals_tritonclient_token_for_token(served, client, tokenizer):
     prompt = PROMPTS[2]
     expected = _triton(served, prompt, 30)
@@ -626,6 +633,9 @@ def test_triton_unreachable_is_503(tokenizer):
                 model="clover", messages=[{"role": "user", "content": "hi"}], max_tokens=3)):
             status, body = _error_of(call)
             assert status == 503 and body["error"]["code"] == "triton_unavailable", body
+        with pytest.raises(urllib.error.HTTPError) as info:  # not ready: no "ok" for a load balancer
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30)
+        assert info.value.code == 503 and json.loads(info.value.read())["error"]["code"] == "triton_unavailable"
     finally:
         server.should_exit = True
         thread.join(30)

@@ -127,13 +127,8 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                     server.request_drain()
                 if frontend is not None:
                     print(f"[clover] stopped the OpenAI frontend (exit code {frontend.stop()})", file=out, flush=True)
-                code = server.stop() if server is not None else None
-                print(f"[clover] stopped (exit code {code})", file=out, flush=True)
-                if code:
-                    where = f": {log_file}" if log_file is not None else ""
-                    print(f"clover: error: tritonserver did not exit cleanly (exit code {code}); see its log{where}",
-                          file=sys.stderr, flush=True)
-                return 1 if code else 0
+                code = server.stop() if server is not None else 0
+                return _report_stop(code, log_file, out)
     except ServerError as exc:
         print(f"clover: error: {exc}", file=sys.stderr)
         return 1
@@ -143,6 +138,19 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _report_stop(code: int | None, log_file: Path | None, out: TextIO) -> int:
+    """Say how tritonserver stopped; clover serve's exit code: 0 only for a known clean exit, so a supervisor
+    restarts it after anything else (an exit code that could not be learnt included)."""
+    shown = "unknown" if code is None else code
+    print(f"[clover] stopped (exit code {shown})", file=out, flush=True)
+    if code == 0:
+        return 0
+    where = f": {log_file}" if log_file is not None else ""
+    print(f"clover: error: tritonserver did not exit cleanly (exit code {shown}); see its log{where}",
+          file=sys.stderr, flush=True)
+    return 1
 
 
 def default_log_file() -> Path:
@@ -195,7 +203,7 @@ def _wait_for_exit(server: TritonServer, frontend, out: TextIO) -> int:
         code = server.wait(HEALTH_POLL_S)
         if code is not None:
             print(f"[clover] tritonserver exited with code {code}", file=out, flush=True)
-            return 1 if code else 0
+            return 0 if code == 0 else 1
         dead = server.dead_stubs()
         if dead:
             print(f"clover: error: the Python backend stub (pid {', '.join(map(str, dead))}) died; stopping "

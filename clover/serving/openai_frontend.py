@@ -589,7 +589,10 @@ def create_app(settings: FrontendSettings, tokenizer, gateway=TritonGateway):
 
     @app.get("/health")
     async def health():
-        return await model_card()
+        """For load balancers and wait_ready: 200 with a status once the model is ready in tritonserver, else
+        503 with the OpenAI error body (docs/openai.md#endpoints)."""
+        await model_card()
+        return {"status": "ok", "model": settings.model, "triton": settings.grpc_url}
 
     @app.get("/v1/models")
     async def list_models():
@@ -734,7 +737,9 @@ class FrontendProcess:
         return self
 
     def poll(self) -> int | None:
-        return self.process.poll() if self.process is not None else None
+        from clover.serving.server import reap
+
+        return self.process.returncode if self.process is not None and reap(self.process, 0) else None
 
     def wait_ready(self, timeout_s: float = 120.0) -> "FrontendProcess":
         """Block until ``/health`` answers 200 (it is up and reaches the model); ServerError if it exits first."""
@@ -760,14 +765,18 @@ class FrontendProcess:
         if self.process is None:
             return None
         timeout_s = self.drain_s + _SHUTDOWN_MARGIN_S + 10 if timeout_s is None else timeout_s
+        from clover.serving.server import KILL_WAIT_S, reap
+
         try:
-            if self.process.poll() is None:
+            if not reap(self.process, 0):  # reap, not Popen.wait: see its docstring
                 self.process.send_signal(signal.SIGTERM)
                 try:
-                    self.process.wait(timeout_s)
-                except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                    exited = reap(self.process, timeout_s)
+                except KeyboardInterrupt:
+                    exited = False
+                if not exited:
                     self.process.kill()
-                    self.process.wait(10)
+                    reap(self.process, KILL_WAIT_S)
             return self.process.returncode
         finally:
             if self._log_handle is not None:

@@ -25,6 +25,7 @@ logging) are restricted to clients that send the ``clover-admin-key`` header.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -54,6 +55,9 @@ ADMIN_KEY_ENV = "CLOVER_ADMIN_KEY"
 # seconds between the model's drain deadline and Triton's exit timeout: cancelled requests send their final
 # responses and the model unloads in that time, so Triton never hits "Exit timeout expired"
 DRAIN_MARGIN_S = 5.0
+# how long stop() waits for the kernel to remove tritonserver after SIGKILL, and how often it looks
+KILL_WAIT_S = 10.0
+REAP_POLL_S = 0.05
 
 
 class ServerError(RuntimeError):
@@ -319,10 +323,9 @@ class TritonServer:
         return [pid for pid, started in self._stubs.items() if _start_time(pid) != started]
 
     def wait(self, timeout: float | None = None) -> int | None:
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
+        """The exit code once tritonserver has exited, waiting up to ``timeout`` seconds; None while it runs."""
+        self._reap(math.inf if timeout is None else timeout)
+        return self.process.returncode
 
     def request_drain(self) -> None:
         """Tell the models to stop admitting requests and to end those in flight within ``drain_s``."""
@@ -333,18 +336,23 @@ class TritonServer:
 
     def stop(self, timeout_s: float | None = None) -> int | None:
         """Drain, SIGINT (clean shutdown), then SIGKILL by PID after ``timeout_s``; returns the exit code
-        (negative when killed). Stubs left behind and their shared memory are removed whatever happened."""
+        (negative when killed, None when it could not be learnt). Stubs left behind and their shared memory are
+        removed whatever happened."""
         if self.process is None:
             return None
         timeout_s = self.exit_timeout_s + 10 if timeout_s is None else timeout_s
         try:
-            if self.process.poll() is None:
+            if not self._reap(0):
                 self._note_stubs()
                 self.request_drain()
                 self.process.send_signal(signal.SIGINT)
                 try:
-                    self.process.wait(timeout_s)
-                except (subprocess.TimeoutExpired, KeyboardInterrupt):  # a second Ctrl-C: stop now
+                    exited = self._reap(timeout_s)
+                    if not exited:
+                        _say(f"tritonserver (pid {self.pid}) did not exit within {timeout_s:g} s of SIGINT; killing it")
+                except KeyboardInterrupt:  # a second Ctrl-C: stop now
+                    exited = False
+                if not exited:
                     self.kill()
             return self.process.returncode
         finally:
@@ -356,16 +364,19 @@ class TritonServer:
         if self.process is None:
             return
         self._note_stubs()
-        try:
-            os.kill(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        if not self._reap(0):
+            try:
+                os.kill(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if not self._reap(KILL_WAIT_S):
+                _say(f"tritonserver (pid {self.pid}) was still there {KILL_WAIT_S:g} s after SIGKILL; "
+                     "its exit code is unknown")
         self._reap_stubs(grace_s=0.0)
         self._cleanup()
+
+    def _reap(self, timeout_s: float) -> bool:
+        return reap(self.process, timeout_s)
 
     def _reap_stubs(self, grace_s: float = 3.0) -> list[int]:
         """After tritonserver exited: SIGKILL stubs still alive after ``grace_s`` (orphans), unlink their
@@ -403,6 +414,53 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def reap(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for a child process to exit; True once it has, its exit code then in
+    ``process.returncode`` (None when another waitpid collected it: unknown).
+
+    It calls waitpid itself rather than Popen.wait: a KeyboardInterrupt raised inside an earlier Popen.wait
+    or poll (Ctrl-C while clover serve polls its children) can leave Popen's internal lock held, after which
+    Popen never reaps the child; tritonserver then stayed <defunct> until the timeouts ran out
+    (docs/serving.md#graceful-drain)."""
+    deadline = time.monotonic() + timeout_s
+    while not _exit_collected(process):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(REAP_POLL_S)
+    return True
+
+
+def _exit_collected(process: subprocess.Popen) -> bool:
+    """One non-blocking waitpid: True once the child has exited (its exit code in ``process.returncode``, None
+    when another waitpid took it)."""
+    if process.returncode is not None:
+        return True
+    # Ctrl-C between waitpid and the assignment would lose the exit status: signals wait until both ran
+    with _signals_held():
+        try:
+            pid, status = os.waitpid(process.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere: the exit code is lost, so it stays unknown
+            return True
+        if pid == process.pid:
+            process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode is not None
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT and SIGTERM back from this thread (their Python handlers run once this block is left)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _say(message: str) -> None:
+    print(f"[clover] {message}", file=sys.stderr, flush=True)
 
 
 def _start_time(pid: int) -> str | None:
