@@ -112,6 +112,7 @@ class TargetOutput:
     last_hidden: torch.Tensor
     present_keys: list[torch.Tensor]
     present_values: list[torch.Tensor]
+    layer_inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)  # forward's capture_layers, in order
 
 
 class LlamaTarget(nn.Module):
@@ -130,25 +131,29 @@ class LlamaTarget(nn.Module):
     def rope(self, position_ids: torch.Tensor):
         return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self.embed_tokens.weight.dtype)
 
-    def forward(self, input_ids, position_ids, past_lengths, packed_mask, k_caches, v_caches) -> TargetOutput:
+    def forward(self, input_ids, position_ids, past_lengths, packed_mask, k_caches, v_caches,
+                capture_layers: tuple[int, ...] | list[int] = ()) -> TargetOutput:
         """One pass over T new tokens per sequence.
 
         Args:
             input_ids, position_ids: int64 ``[B, T]``.
             past_lengths: int32 ``[B]``; packed_mask: int32 ``[B, T, ceil(T/32)]``.
             k_caches, v_caches: one ``[B, Hkv, S_max, D]`` per layer (read only).
+            capture_layers: layers whose inputs ``[B, T, H]`` come back in ``layer_inputs`` (multi-layer features).
         """
         cos, sin = self.rope(position_ids)
         x = self.embed_tokens(input_ids)
-        present_keys, present_values = [], []
+        present_keys, present_values, inputs = [], [], {}
         last_input = x
         for i, layer in enumerate(self.layers):
             last_input = x
+            if i in capture_layers:
+                inputs[i] = x
             x, pk, pv = layer(x, cos, sin, past_lengths, packed_mask, k_caches[i], v_caches[i])
             present_keys.append(pk)
             present_values.append(pv)
         logits = self.lm_head(self.norm(x))
-        return TargetOutput(logits, last_input, x, present_keys, present_values)
+        return TargetOutput(logits, last_input, x, present_keys, present_values, [inputs[i] for i in capture_layers])
 
 
 # ---------------------------------------------------------------------------
@@ -231,6 +236,6 @@ def target_fingerprint(model: LlamaTarget) -> str:
     digest = hashlib.sha256()
     shape = [cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim]
     digest.update(json.dumps(shape).encode())
-    rows = model.lm_head.weight.detach()[:: max(1, cfg.vocab_size // 16)][:16]
+    rows = model.lm_head.weight.detach()[:: max(1, cfg.vocab_size // 16)][:16].cpu()  # one result on any device
     digest.update(rows.to(torch.float16).float().round(decimals=2).numpy().tobytes())
     return digest.hexdigest()[:16]

@@ -45,11 +45,12 @@ class OracleEngine:
                 seq_ids.append(max(matching, key=lambda i: len(self.prompts[i])))
             else:
                 seq_ids.append(int(k_cache[-1][b, 0, 0, 0]))
-        marker = torch.tensor(seq_ids, dtype=res.present_keys[0].dtype)
+        # the marker layer lives where the inner engine's presents do (the GPU for a CUDA engine), h0 on the host
+        marker = torch.tensor(seq_ids, dtype=res.present_keys[0].dtype, device=res.present_keys[0].device)
         shape = res.present_keys[0].shape
         present_marker = marker[:, None, None, None].expand(shape).contiguous()
         h0 = torch.zeros(batch, tokens, self.spec.hidden_size)
-        h0[..., 0] = marker[:, None]
+        h0[..., 0] = torch.tensor(seq_ids, dtype=h0.dtype)[:, None]
         h0[..., 1] = position_ids.float()
         return TargetResult(res.logits, h0, [*res.present_keys, present_marker], [*res.present_values, present_marker])
 
@@ -279,3 +280,17 @@ def dequantised_target(source, weights: dict):
         if target.config.tie_word_embeddings and "lm_head.weight" in weights:
             target.embed_tokens.weight.copy_(torch.from_numpy(weights["lm_head.weight"].dequantize()))
     return target
+
+
+def new_kv_of(result, past_lengths, k_cache, v_cache) -> tuple[list, list]:
+    """The T new tokens' (keys, values) of a ``target`` call, one ``[B, Hkv, T, D]`` per layer: its presents, or,
+    for an engine that wrote them into the caches itself (contract v3, docs/engine-contract.md#in-place-kv),
+    each row's cache at ``[past_lengths[b], past_lengths[b] + T)``."""
+    if result.present_keys is not None:
+        return result.present_keys, result.present_values
+    tokens = result.logits.shape[1]
+
+    def written(caches):
+        return [torch.stack([c[b, :, p : p + tokens] for b, p in enumerate(past_lengths.tolist())]) for c in caches]
+
+    return written(k_cache), written(v_cache)

@@ -3,6 +3,11 @@
 :class:`TargetStep` and :class:`DraftStep` are plain ``nn.Module`` wrappers
 with the contract's positional tensors, so the same modules are what the ONNX
 exporter traces.
+
+:class:`TorchEngine` runs where the target's weights are. On a GPU it follows the TensorRT backend's
+convention: the KV cache lives on the device (``EngineSpec.device``), the small inputs are copied in, and
+logits, ``h0`` and the draft outputs come back to the host for the decode loop
+(scripts/gpu_check.py checks it against transformers ``generate()``: docs/status.md).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ class TargetStep(nn.Module):
         super().__init__()
         self.target = target
         self.augment = drafter.augment if drafter is not None else None
+        self.feature_fuse = drafter.feature_fuse if self.augment is not None else None  # multi-layer features
+        self.feature_layers = tuple(drafter.config.feature_layers or ()) if self.augment is not None else ()
 
     @property
     def num_kv_layers(self) -> int:
@@ -36,13 +43,17 @@ class TargetStep(nn.Module):
     def forward(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
         """Shapes as in :meth:`clover.engine_contract.Engine.target`."""
         num_layers = self.target.config.num_layers
-        out = self.target(input_ids, position_ids, past_lengths, packed_mask, k_cache[:num_layers], v_cache[:num_layers])
+        out = self.target(input_ids, position_ids, past_lengths, packed_mask, k_cache[:num_layers], v_cache[:num_layers],
+                          self.feature_layers)
         present_keys, present_values = out.present_keys, out.present_values
         if self.augment is None:
             h0 = out.last_hidden
         else:
             cos, sin = self.target.rope(position_ids)
-            h0, pk, pv = self.augment(out.last_layer_input, cos, sin, past_lengths, packed_mask,
+            features = out.last_layer_input
+            if self.feature_fuse is not None:
+                features = self.feature_fuse(torch.cat(out.layer_inputs, dim=-1))
+            h0, pk, pv = self.augment(features, cos, sin, past_lengths, packed_mask,
                                       k_cache[num_layers], v_cache[num_layers])
             present_keys, present_values = [*present_keys, pk], [*present_values, pv]
         return TargetResult(out.logits, h0, present_keys, present_values)
@@ -101,6 +112,10 @@ class TorchEngine:
     def __init__(self, target: LlamaTarget, drafter: Drafter | None = None, max_seq_len: int = 2048,
                  draft_top_k: int = 8) -> None:
         cfg = target.config
+        self.device = target.lm_head.weight.device
+        if drafter is not None and next(drafter.parameters()).device != self.device:
+            raise ConfigError(f"the drafter is on {next(drafter.parameters()).device}, the target on {self.device}: "
+                              "move both to one device")
         self.checkpoint_dir: Path | None = None  # set by from_checkpoint
         self.cost_model = None  # step times for adaptive trees: calibrate_cost_model()
         self.target_step = TargetStep(target, drafter).eval()
@@ -119,6 +134,7 @@ class TorchEngine:
             drafter_method=drafter.config.method if drafter is not None else None,
             num_draft_kv_layers=drafter.num_kv_layers if has_prefill else 0,
             dtype=target.lm_head.weight.dtype,
+            device=str(self.device),
         )
 
     @classmethod
@@ -159,19 +175,36 @@ class TorchEngine:
         self.cost_model = calibrate(self, max_tokens=max_tokens, repeats=repeats, source="torch, measured at load")
         return self.cost_model
 
+    @property
+    def _on_host(self) -> bool:
+        return self.device.type == "cpu"
+
+    def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        return [t.to(self.device, non_blocking=True) for t in tensors]
+
     @torch.inference_mode()
     def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
-        return self.target_step(input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache)
+        if self._on_host:  # no copies: the CPU path's host work per step is measured (docs/trees.md#host-work-per-step)
+            return self.target_step(input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache)
+        out = self.target_step(*self._to_device(input_ids, position_ids, past_lengths, packed_mask), k_cache, v_cache)
+        return TargetResult(out.logits.float().cpu(), out.h0.cpu(), out.present_keys, out.present_values)
 
     @torch.inference_mode()
     def draft_step(self, hidden, token, head: int) -> DraftResult:
         if self.draft is None:
             raise RuntimeError("this engine has no drafter; use method 'vanilla' or pass --drafter")
-        return self.draft(hidden, token, head)
+        if self._on_host:
+            return self.draft(hidden, token, head)
+        out = self.draft(*self._to_device(hidden, token), head)
+        return DraftResult(*(t.cpu() for t in out))
 
     @torch.inference_mode()
     def draft_prefill(self, hidden, next_token, position_ids, past_lengths, packed_mask, k_cache,
                       v_cache) -> DraftPrefillResult:
         if self.prefill_step is None:
             raise RuntimeError("this engine's drafter keeps no KV cache (engine contract v1): no draft_prefill")
-        return self.prefill_step(hidden, next_token, position_ids, past_lengths, packed_mask, k_cache, v_cache)
+        if self._on_host:
+            return self.prefill_step(hidden, next_token, position_ids, past_lengths, packed_mask, k_cache, v_cache)
+        inputs = self._to_device(hidden, next_token, position_ids, past_lengths, packed_mask)
+        out = self.prefill_step(*inputs, k_cache, v_cache)
+        return DraftPrefillResult(out.state.cpu(), out.present_keys, out.present_values)

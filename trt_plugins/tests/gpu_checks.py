@@ -5,7 +5,8 @@ Run through ``bash trt_plugins/tests/run_gpu_checks.sh`` (or directly with
 
 1. JIT-build the kernel as a PyTorch CUDA extension (``trt_plugins/torch_ext``).
 2. Correctness: compare with ``clover.attention.tree_attention`` on random shapes
-   (B 1-16, T 1-33, past 0-4096, GQA, fp32/fp16/bf16, head dim 64 and 128),
+   (B 1-16, T 1-64 so one or two mask words, mixed past lengths 0-4096 in a batch, GQA,
+   fp32/fp16/bf16, head dim 64 and 128),
    plus fixed edge cases (bit 31 / two mask words, padded rows that see nothing,
    past 0, decode T=1, a long causal prompt chunk, a custom scale). The cache
    beyond past_lengths is filled with NaN for the kernel, so any read past the
@@ -119,7 +120,8 @@ def check_case(ext, name, batch, num_tokens, heads, head_dim, pasts, dtype, visi
     }
 
 
-def correctness(ext, device, num_random: int, seed: int) -> list[dict]:
+def correctness(ext, device, num_random: int, seed: int, max_tokens: int = 64) -> list[dict]:
+    """Fixed edge cases, then ``num_random`` random shapes with 1 to ``max_tokens`` tokens in flight."""
     gen = random.Random(seed)
     results = []
     dtypes = [torch.float32, torch.float16, torch.bfloat16]
@@ -144,7 +146,7 @@ def correctness(ext, device, num_random: int, seed: int) -> list[dict]:
     # Random shapes.
     for i in range(num_random):
         batch = gen.randint(1, 16)
-        tokens = gen.randint(1, 33)
+        tokens = gen.randint(1, max_tokens)
         heads = gen.choice(HEAD_CONFIGS)
         dim = gen.choice([64, 128])
         dtype = dtypes[i % 3]
@@ -256,6 +258,7 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--random-cases", type=int, default=36)
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens in flight in a random case")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--build-dir", default="/tmp/clover_tree_attention_ext")
@@ -274,7 +277,7 @@ def main() -> int:
     print(f"extension built/loaded in {time.time() - t0:.1f} s", flush=True)
 
     t0 = time.time()
-    results = correctness(ext, device, args.random_cases, args.seed)
+    results = correctness(ext, device, args.random_cases, args.seed, args.max_tokens)
     print(f"\ncorrectness vs clover.attention.tree_attention ({time.time() - t0:.1f} s):")
     print_table(results, ["name", "B", "T", "Hq/Hkv", "D", "max_past", "dtype", "splits", "max_abs_err", "ok"])
     failures = [r for r in results if not r["ok"]]
