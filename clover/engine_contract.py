@@ -17,7 +17,7 @@ import torch
 
 from clover.config import decoding_method
 
-CONTRACT_VERSION = 2  # 2 added draft_prefill; engines of version 1 (no draft cache) run unchanged
+CONTRACT_VERSION = 3  # 2 added draft_prefill, 3 a target that writes its KV cache in place; older engines run unchanged
 
 TARGET_INPUTS = ("input_ids", "position_ids", "past_lengths", "spec_decoding_packed_mask")
 TARGET_OUTPUTS = ("logits", "h0")
@@ -79,7 +79,8 @@ class EngineSpec:
 
 
 class TargetResult(NamedTuple):
-    """logits ``[B, T, V]``, h0 ``[B, T, H]``, present keys/values one ``[B, Hkv, T, D]`` per KV layer."""
+    """logits ``[B, T, V]``, h0 ``[B, T, H]``, present keys/values one ``[B, Hkv, T, D]`` per KV layer, or None
+    when the engine wrote them into the cache itself (contract v3: docs/engine-contract.md#in-place-kv)."""
 
     logits: torch.Tensor
     h0: torch.Tensor
@@ -120,7 +121,8 @@ class Engine(Protocol):
 
         input_ids, position_ids int64 ``[B, T]``; past_lengths int32 ``[B]``;
         packed_mask int32 ``[B, T, ceil(T/32)]``; caches one ``[B, Hkv, S_max, D]``
-        per KV layer, read only.
+        per KV layer, read only, except by an engine that writes the new tokens' K/V at
+        ``[past_lengths[b], past_lengths[b] + T)`` itself (contract v3) and returns no presents.
         """
         ...
 

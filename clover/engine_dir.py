@@ -67,7 +67,7 @@ class EngineMeta:
 
     def __post_init__(self) -> None:
         if self.contract_version is None:
-            self.contract_version = contract_version_for(self.num_draft_kv_layers)
+            self.contract_version = contract_version_for(self.num_draft_kv_layers, self.attention)
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -82,11 +82,13 @@ class EngineMeta:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = ENGINE_FILE) -> "EngineMeta":
-        version, needed = data.get("contract_version"), contract_version_for(data.get("num_draft_kv_layers", 0))
+        version = data.get("contract_version")
+        needed = contract_version_for(data.get("num_draft_kv_layers", 0), data.get("attention", "standard"))
         if version not in SUPPORTED_CONTRACT_VERSIONS or version < needed:
             raise ConfigError(f"{where}: engine contract version {version} is not one this Clover runs "
-                              f"({', '.join(map(str, SUPPORTED_CONTRACT_VERSIONS))}, version 2 for a drafter with "
-                              "its own KV cache); rebuild the engine")
+                              f"({', '.join(map(str, SUPPORTED_CONTRACT_VERSIONS))}; version 2 for a drafter with "
+                              "its own KV cache, 3 for gqa attention); rebuild the engine with "
+                              "`clover build` (export/build_engine.py)")
         for key in ("backend", "files", "target_config", "limits", "num_kv_layers"):
             if key not in data:
                 raise ConfigError(f"{where}: missing {key!r}; rebuild the engine")
@@ -112,9 +114,12 @@ class EngineMeta:
         os.replace(tmp, path)
 
 
-def contract_version_for(num_draft_kv_layers: int) -> int:
-    """The oldest engine contract that runs an engine: 2 (``draft_prefill``) for a drafter with its own KV cache,
-    else 1 (docs/engine-contract.md#engine-directory)."""
+def contract_version_for(num_draft_kv_layers: int, attention: str = "standard") -> int:
+    """The oldest engine contract that runs an engine: 3 for a target that writes its KV cache in place
+    (``gqa`` attention), 2 (``draft_prefill``) for a drafter with its own KV cache, else 1
+    (docs/engine-contract.md#engine-directory)."""
+    if attention == "gqa":
+        return 3
     return 2 if num_draft_kv_layers else 1
 
 

@@ -116,7 +116,9 @@ class KVCache:
 
         Args:
             present_keys, present_values: one ``[n, Hkv, T, D]`` per layer, the
-                K/V of the T tokens just run for rows ``rows``.
+                K/V of the T tokens just run for rows ``rows``; None when the engine wrote them into the
+                cache itself, at each row's ``[length, length + T)`` (engine contract v3,
+                docs/engine-contract.md#in-place-kv): the kept ones then move down within the row.
             source_index: int64 ``[n, A]``, which of the T tokens to keep, in order.
             counts: int ``[n]``, how many of ``source_index[r]`` are valid.
         """
@@ -127,11 +129,29 @@ class KVCache:
         ends = [start + count for start, count in zip(starts, counts_list)]
         if max(ends, default=0) > self.max_seq_len:
             raise RuntimeError("KV cache overflow: a sequence is longer than max_seq_len")
-        write = self._write_rows_numpy if self._numpy_writes else self._write_rows_torch
-        for cache, presents in ((self._keys, present_keys), (self._values, present_values)):
-            write(cache, presents, source_index, first_row, starts, counts_list)
+        if present_keys is None:  # the engine wrote the T new tokens at [start, start + T) of each row itself
+            self._move_in_place(source_index, first_row, starts, counts_list)
+        else:
+            write = self._write_rows_numpy if self._numpy_writes else self._write_rows_torch
+            for cache, presents in ((self._keys, present_keys), (self._values, present_values)):
+                write(cache, presents, source_index, first_row, starts, counts_list)
         lengths[:] = ends
 
+    def _move_in_place(self, source_index: torch.Tensor, first_row: int, starts: list[int], counts: list[int]) -> None:
+        """Row i keeps its new tokens ``source_index[i, :counts[i]]`` (written at ``starts[i] + index``) at
+        ``starts[i]...``: a gather (a copy) then one slice write per row for all layers; rows whose kept tokens
+        already sit in order (a prompt, a chain's accepted prefix) move nothing."""
+        source = source_index.detach().cpu().numpy()
+        for i, (start, count) in enumerate(zip(starts, counts)):
+            kept = source[i, :count]
+            if not count or np.array_equal(kept, np.arange(count)):
+                continue
+            if kept.min() < 0 or start + kept.max() >= self.max_seq_len:
+                raise IndexError(f"source_index {kept.tolist()} outside the tokens written after position {start}")
+            index = torch.from_numpy(kept + start).to(self.device)
+            for cache in (self._keys, self._values):
+                row = cache[:, first_row + i]  # [L, Hkv, S_max, D]
+                row[:, :, start : start + count] = row.index_select(2, index)
     @property
     def _numpy_writes(self) -> bool:
         return self.device == "cpu" and self.dtype in (torch.float32, torch.float16, torch.float64)

@@ -45,13 +45,18 @@ class OracleEngine:
                 seq_ids.append(max(matching, key=lambda i: len(self.prompts[i])))
             else:
                 seq_ids.append(int(k_cache[-1][b, 0, 0, 0]))
+        h0 = torch.zeros(batch, tokens, self.spec.hidden_size)
+        h0[..., 0] = torch.tensor(seq_ids, dtype=h0.dtype)[:, None]
+        h0[..., 1] = position_ids.float()
+        if res.present_keys is None:  # an in-place inner engine (contract v3): so is the marker layer
+            for b, (seq, past) in enumerate(zip(seq_ids, past_lengths.tolist())):
+                k_cache[-1][b, :, past : past + tokens] = seq
+                v_cache[-1][b, :, past : past + tokens] = seq
+            return TargetResult(res.logits, h0, None, None)
         # the marker layer lives where the inner engine's presents do (the GPU for a CUDA engine), h0 on the host
         marker = torch.tensor(seq_ids, dtype=res.present_keys[0].dtype, device=res.present_keys[0].device)
         shape = res.present_keys[0].shape
         present_marker = marker[:, None, None, None].expand(shape).contiguous()
-        h0 = torch.zeros(batch, tokens, self.spec.hidden_size)
-        h0[..., 0] = torch.tensor(seq_ids, dtype=h0.dtype)[:, None]
-        h0[..., 1] = position_ids.float()
         return TargetResult(res.logits, h0, [*res.present_keys, present_marker], [*res.present_values, present_marker])
 
     def draft_step(self, hidden, token, head) -> DraftResult:

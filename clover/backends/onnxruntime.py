@@ -2,14 +2,20 @@
 
 Inputs are handed to onnxruntime as numpy views of the torch tensors the
 decode loop owns (no copy); the KV cache stays in the decode loop's
-:class:`~clover.kv_cache.KVCache`, and only the new tokens' K/V come back.
-onnxruntime's outputs come back as numpy arrays over its own buffers, also
-without a copy. I/O binding (``InferenceSession.io_binding``) was measured
-and does not pay here: docs/results/host-overhead/README.md.
+:class:`~clover.kv_cache.KVCache`. A ``gqa`` engine (contract v3,
+docs/engine-contract.md#in-place-kv) writes the new tokens' K/V into that
+cache itself: its presents are bound to the cache's own memory (I/O binding),
+so ``GroupQueryAttention`` updates it in place and nothing is copied. Where
+that op cannot run a step (several sequences, a tree each, past context: it
+takes one row at a time there), the engine's ``target_batched.onnx``, the same
+graph with standard attention, runs it and returns the new tokens' K/V.
+Other engines (``standard`` attention) return the new tokens' K/V as numpy
+arrays over onnxruntime's own buffers, without a copy.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from pathlib import Path
@@ -17,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from clover.attention import causal_packed_mask
 from clover.config import ConfigError
 from clover.engine_contract import (DRAFT_OUTPUTS, DRAFT_PREFILL_OUTPUTS, TARGET_OUTPUTS, DraftPrefillResult,
                                     DraftResult, TargetResult, cache_input_names, draft_cache_input_names,
@@ -38,6 +45,23 @@ def _session(path: Path, threads: int | None):
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types
         raise ConfigError(f"{path}: onnxruntime cannot load this engine ({exc})") from exc
+
+
+def _gqa_runs(batch: int, tokens: int, past: np.ndarray, packed_mask: np.ndarray) -> bool:
+    """Whether onnxruntime's GroupQueryAttention (CPU, 1.32) computes this step as the contract says: one token
+    per sequence; a tree after a past at batch 1 (several sequences with a past: it refuses); a prompt chunk,
+    whose mask is causal (with no past it masks causally and ignores the tree bias).
+    Measured: tests/test_export.py::test_gqa_routing."""
+    if tokens == 1:
+        return True
+    if batch == 1 and past[0] > 0:
+        return True
+    return (batch == 1 or not past.any()) and np.array_equal(packed_mask, _causal_mask(batch, tokens))
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_mask(batch: int, tokens: int) -> np.ndarray:
+    return causal_packed_mask(batch, tokens).numpy()
 
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
@@ -65,10 +89,15 @@ class OnnxRuntimeEngine:
                               "--attention standard")
         self.meta = meta
         files = meta.files
-        for name in filter(None, (files.get("target"), files.get("draft_step"), files.get("draft_prefill"))):
+        for name in filter(None, (files.get(role) for role in ("target", "target_batched", "draft_step", "draft_prefill"))):
             if not (self.engine_dir / name).exists():
                 raise ConfigError(f"{engine_dir}: {name} is missing; rebuild the engine")
         self.target_session = _session(self.engine_dir / files["target"], threads)
+        self.in_place = meta.attention == "gqa"  # contract v3: the target writes the KV cache itself
+        batched = files.get("target_batched")
+        self.batched_session = _session(self.engine_dir / batched, threads) if self.in_place and batched else None
+        if self.in_place and self.batched_session is None:
+            raise ConfigError(f"{engine_dir}: a gqa engine needs target_batched.onnx; rebuild the engine")
         self.draft_session = _session(self.engine_dir / files["draft_step"], threads) if files.get("draft_step") else None
         prefill = files.get("draft_prefill")
         self.prefill_session = _session(self.engine_dir / prefill, threads) if prefill else None
@@ -79,6 +108,9 @@ class OnnxRuntimeEngine:
         self._present_names = present_output_names(num_kv)
         self._target_outputs = [*TARGET_OUTPUTS, *self._present_names]
         self._cache_feeds: tuple[list, dict] = ([], {})  # (weak references to the cache views, their feeds)
+        self._binding: tuple[list, object] = ([], None)  # (weak references to the cache views, their I/O binding)
+        self._np_dtype = _NUMPY_DTYPES[self.spec.dtype]
+        self._head_sizes = (("logits", self.spec.vocab_size), ("h0", self.spec.hidden_size))
         self.run_seconds = 0.0  # spent inside onnxruntime's run calls (clover.bench splits a step with it)
         num_draft_kv = self.spec.num_draft_kv_layers
         self._draft_cache_names = draft_cache_input_names(num_draft_kv)
@@ -90,11 +122,55 @@ class OnnxRuntimeEngine:
             "position_ids": position_ids.contiguous().numpy(),
             "past_lengths": past_lengths.to(torch.int32).contiguous().numpy(),
             "spec_decoding_packed_mask": packed_mask.contiguous().numpy(),
-            **self._cache_feeds_of(k_cache, v_cache),
         }
-        outputs = [torch.from_numpy(o) for o in self._run(self.target_session, self._target_outputs, feeds)]
+        if self.in_place:
+            batch, tokens = feeds["input_ids"].shape
+            past = feeds["past_lengths"]
+            if past.size and int(past.max()) + tokens > self.spec.max_seq_len:
+                raise RuntimeError("KV cache overflow: a sequence is longer than max_seq_len")
+            if _gqa_runs(batch, tokens, past, feeds["spec_decoding_packed_mask"]):
+                return self._target_in_place(feeds, k_cache, v_cache)
+            session = self.batched_session
+        else:
+            session = self.target_session
+        feeds.update(self._cache_feeds_of(k_cache, v_cache))
+        outputs = [torch.from_numpy(o) for o in self._run(session, self._target_outputs, feeds)]
         presents = outputs[2:]
         return TargetResult(outputs[0], outputs[1], presents[0::2], presents[1::2])
+
+    def _target_in_place(self, feeds: dict, k_cache, v_cache) -> TargetResult:
+        """The ``gqa`` graph with each present bound to its past's memory: the op writes the new tokens' K/V
+        into the decode loop's cache (contract v3); logits and h0 come back in fresh arrays."""
+        binding = self._binding_for(k_cache, v_cache)
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+        batch, tokens = feeds["input_ids"].shape
+        outputs = {name: np.empty((batch, tokens, size), dtype=self._np_dtype) for name, size in self._head_sizes}
+        for name, array in outputs.items():
+            binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        start = time.perf_counter()
+        try:
+            self.target_session.run_with_iobinding(binding)
+        finally:
+            self.run_seconds += time.perf_counter() - start
+        return TargetResult(torch.from_numpy(outputs["logits"]), torch.from_numpy(outputs["h0"]), None, None)
+
+    def _binding_for(self, k_cache, v_cache):
+        """An I/O binding with the caches bound as the past inputs and, at the same memory, the present outputs;
+        made again only when other cache views come (as :meth:`_cache_feeds_of`)."""
+        tensors = [t for pair in zip(k_cache, v_cache) for t in pair]
+        refs, binding = self._binding
+        if len(refs) == len(tensors) and all(ref() is t for ref, t in zip(refs, tensors)):
+            return binding
+        if not all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == self.spec.dtype for t in tensors):
+            raise ValueError("an in-place engine needs contiguous CPU caches of the engine's dtype")
+        binding = self.target_session.io_binding()
+        for past, present, t in zip(self._cache_names, self._present_names, tensors):
+            for bind in (binding.bind_input, binding.bind_output):
+                bind(past if bind == binding.bind_input else present, "cpu", 0, self._np_dtype, list(t.shape),
+                     t.data_ptr())
+        self._binding = ([weakref.ref(t) for t in tensors], binding)
+        return binding
 
     def _cache_feeds_of(self, k_cache, v_cache) -> dict:
         """The KV-cache feeds: numpy arrays over the decode loop's cache views (no copy), made again only when other

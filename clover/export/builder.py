@@ -63,7 +63,7 @@ class BuildOptions:
         TreeConfig(proposer=self.proposer)  # ConfigError for an unknown proposer, before anything is built
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise ConfigError(f"draft_vocab must be >= 0 (0: the full vocabulary), not {self.draft_vocab}")
-        attention = self.attention or ("plugin" if self.backend == "tensorrt" else "standard")
+        attention = self.attention or default_attention(self.backend)
         return dataclasses.replace(self, attention=attention, target_compute=self._checked_target_compute())
 
     def _checked_target_compute(self) -> str | None:
@@ -90,14 +90,33 @@ class BuildOptions:
         return compute
 
 
+def default_attention(backend: str) -> str:
+    """``plugin`` (``clover.TreeAttention``) for TensorRT; for onnxruntime ``gqa``: its fused
+    GroupQueryAttention with the KV cache written in place (docs/engine-contract.md#in-place-kv)."""
+    return "plugin" if backend == "tensorrt" else "gqa"
+
+
+def _attention_for(options: BuildOptions, cfg, chosen: str | None, progress: Callable[[str], None]) -> BuildOptions:
+    """``options`` with an attention variant the target's shape allows: onnxruntime's GroupQueryAttention
+    takes head sizes that are multiples of 16 only, so other targets get ``standard`` unless gqa was asked for."""
+    if options.attention != "gqa" or cfg.head_dim % 16 == 0:
+        return options
+    if chosen == "gqa":
+        raise ConfigError(f"--attention gqa needs a head size that is a multiple of 16 (onnxruntime's "
+                          f"GroupQueryAttention); this target's is {cfg.head_dim}: use --attention standard")
+    progress(f"head size {cfg.head_dim} is not a multiple of 16: standard attention instead of gqa")
+    return dataclasses.replace(options, attention="standard")
+
+
 # The demo engine's target: the GGUF's own 4-bit blocks with fp32 activations, which keep the fp32 engine's
 # greedy answers; int8 activations change 2.3% of MT-bench tokens (docs/quantized-target.md#the-default).
 DEMO_TARGET_WEIGHTS, DEMO_TARGET_COMPUTE = "q4", "fp32"
 
 
 def default_target_compute(target_weights: str) -> str:
-    """``fp32`` activations for q4 weights (the demo default's), ``int8`` for int8 weights (their only kernel)."""
-    return "int8" if target_weights == "int8" else "fp32"
+    """``fp32`` activations for q4 weights (exact against the fp32 engine), ``int8`` for int8 weights (their only
+    kernel) and int4 blocks (already approximate; int8 compute is what makes them fast)."""
+    return "fp32" if target_weights == "q4" else "int8"
 
 
 def default_target_weights(target: str | None, backend: str = "onnxruntime", dtype: str = "fp32") -> str:
@@ -177,7 +196,7 @@ def _load_models(target: str | None, drafter: str | None, options: BuildOptions,
         progress(f"draft vocabulary: the {heads.config.draft_vocab_size} most frequent tokens")
     source = str(drafter) if drafter not in (None, "none") else drafter
     gguf = None
-    if target in (None, "demo") and options.target_weights == "q4":
+    if target in (None, "demo") and options.target_weights == "q4":  # int4 re-quantises the checkpoint's weights
         from clover.demo import find_demo_gguf
 
         gguf = find_demo_gguf()
@@ -195,8 +214,9 @@ def _target_weights(models: _LoadedModels, options: BuildOptions, progress: Call
         source = f"{models.gguf.name}: its own blocks"
     else:
         progress(f"quantizing the target's linear weights ({options.target_weights})")
-        source = "quantized per block (gguf Q4_1, LM head Q8_0)" if options.target_weights == "q4" else \
-            "quantized per output channel (int8, symmetric)"
+        source = {"q4": "quantized per block (gguf Q4_1, LM head Q8_0)",
+                  "int4": "quantized per block of 32 (4-bit, symmetric, MatMulNBits' own layout)",
+                  "int8": "quantized per output channel (int8, symmetric)"}[options.target_weights]
     weights = target_weights_for(models.model, options.target_weights, models.gguf)
     return weights, describe(weights, options.target_weights, options.target_compute, source)
 
@@ -215,10 +235,15 @@ def _export_graphs(out: Path, models: _LoadedModels, options: BuildOptions, prog
     weights, target_quantization = _target_weights(models, options, progress)
     precision = options.dtype if weights is None else f"{options.target_weights} weights, {options.target_compute} compute"
     progress(f"writing target.onnx ({options.attention} attention, {precision})")
+    target_options = dict(max_positions=_max_seq(options, model), target_weights=weights,
+                          compute=options.target_compute or "fp32")
     tensors = {"target": export_target(model, heads, out / "target.onnx", options.dtype, options.attention,
-                                       on_layer, max_positions=_max_seq(options, model), target_weights=weights,
-                                       compute=options.target_compute or "fp32"),
+                                       on_layer, **target_options),
                "draft_step": None}
+    if options.attention == "gqa":  # for what GroupQueryAttention cannot run: several trees after a past
+        progress("writing target_batched.onnx (standard attention, for trees of several sequences)")
+        tensors["target_batched"] = export_target(model, heads, out / "target_batched.onnx", options.dtype,
+                                                  "standard", **target_options)
     quantization = None
     if heads is not None:
         progress("writing draft_step.onnx")
@@ -313,8 +338,9 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
             target (``"untrained"`` forces those); ``"none"``: a vanilla-only engine.
         build_options: the fields of :class:`BuildOptions`:
             ``backend`` (``onnxruntime``, or ``tensorrt``, which also writes TensorRT plans);
-            ``dtype`` (``fp32``/``fp16``); ``attention`` (``standard`` ONNX ops or ``plugin``
-            ``clover.TreeAttention`` nodes; default standard for onnxruntime, plugin for tensorrt);
+            ``dtype`` (``fp32``/``fp16``); ``attention`` (``gqa``: onnxruntime's GroupQueryAttention writing
+            the KV cache in place, plus ``target_batched.onnx`` with standard attention; ``standard`` ONNX ops;
+            or ``plugin`` ``clover.TreeAttention`` nodes; default gqa for onnxruntime, plugin for tensorrt);
             ``max_batch``, ``max_tree``, ``max_seq`` (limits); ``draft_top_k``; ``num_heads`` (untrained
             heads only); ``draft_int8`` (int8 weights for the draft step's MatMuls,
             :mod:`clover.export.quantize`; onnxruntime fp32 only; the target is untouched, so decoding
@@ -338,9 +364,12 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
         require_tensorrt()
     with atomic_directory(output, overwrite) as tmp:
         models = _load_models(target, drafter, options, cache_dir, progress)
+        options = _attention_for(options, models.model.config, chosen=build_options.get("attention"), progress=progress)
         tensors, quantization, target_quantization = _export_graphs(tmp, models, options, progress, on_layer)
         models.tokenizer.save_pretrained(str(tmp))
         files = {"target": "target.onnx", "draft_step": "draft_step.onnx" if models.heads is not None else None}
+        if "target_batched" in tensors:
+            files["target_batched"] = "target_batched.onnx"
         if _has_draft_prefill(models):
             files["draft_prefill"] = "draft_prefill.onnx"
         if options.backend == "tensorrt":
@@ -397,7 +426,7 @@ def demo_engine_is_current(engine_dir: str | Path) -> bool:
     except (ConfigError, FileNotFoundError):
         return False
     heads = resolve_drafter(None, "demo")
-    if meta.source.get("drafter") != heads or meta.cost_model is None:
+    if meta.source.get("drafter") != heads or meta.cost_model is None or meta.attention != default_attention("onnxruntime"):
         return False
     quantized = meta.target_quantization or {}
     if (quantized.get("weights", "fp32"), quantized.get("compute")) != (DEMO_TARGET_WEIGHTS, DEMO_TARGET_COMPUTE):

@@ -34,6 +34,17 @@ PLUGIN_DOMAIN = "clover"
 PLUGIN_OP = "TreeAttention"
 
 
+class Residual(NamedTuple):
+    """The residual stream between layers, left as ``base + delta`` so the next norm adds it in one fused node
+    (``base`` None: ``delta`` is the whole value)."""
+
+    delta: str
+    base: str | None = None
+
+    def value(self, g: "GraphWriter") -> str:
+        return self.delta if self.base is None else g.op("Add", self.base, self.delta)
+
+
 class DtypeSpec(NamedTuple):
     """One engine dtype (``engine.json``'s ``dtype``) as numpy and ONNX name it (torch: ``clover.engine_dir``)."""
 
@@ -57,6 +68,10 @@ class GraphWriter:
         # quantized target linears (nn.Linear -> clover.export.target_weights.StoredWeight) and their compute
         self.stored: dict = {}
         self.compute = "fp32"
+        # onnxruntime's fused contrib ops (SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization) instead of
+        # the standard-op patterns TensorRT parses: per-node dispatch dominates a small model's pass on CPU
+        # (docs/results/lean-graph)
+        self.fused = False
 
     def close(self) -> None:
         self._data.close()
@@ -123,10 +138,9 @@ class GraphWriter:
         sums = self.op("ReduceSum", blocks, self.const([-1], np.int64), keepdims=0)  # [B, T, K/block]
         return self.op("Add", y, self.op("MatMul", sums, self.weight(f"{name}.block_offset", p.block_offset)))
 
-    def fused_linear(self, x: str, layers: list[torch.nn.Linear], name: str) -> list[str]:
-        """``[layer(x) for layer in layers]`` as one MatMul over the concatenated weights, then a Split: one
-        bigger GEMM instead of several, fewer nodes and thread-pool dispatches per pass
-        (docs/results/target-pass)."""
+    def concat_linear(self, x: str, layers: list[torch.nn.Linear], name: str) -> str:
+        """``concat([layer(x) for layer in layers], -1)`` as one MatMul over the concatenated weights: one bigger
+        GEMM instead of several, fewer nodes and thread-pool dispatches per pass (docs/results/target-pass)."""
         if all(layer in self.stored for layer in layers):
             from clover.export.target_weights import concat_rows
 
@@ -137,8 +151,12 @@ class GraphWriter:
             bias = torch.cat([layer.bias if layer.bias is not None else torch.zeros(layer.out_features)
                               for layer in layers])
             y = self.op("Add", y, self.weight(f"{name}.bias", bias))
+        return y
+
+    def fused_linear(self, x: str, layers: list[torch.nn.Linear], name: str) -> list[str]:
+        """``[layer(x) for layer in layers]``: :meth:`concat_linear`, then a Split."""
         sizes = self.const([layer.out_features for layer in layers], np.int64, hint="split")
-        return self.op("Split", y, sizes, axis=-1, outputs=len(layers))
+        return self.op("Split", self.concat_linear(x, layers, name), sizes, axis=-1, outputs=len(layers))
 
     def rms_norm(self, x: str, norm, name: str) -> str:
         # Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul: the pattern onnxruntime fuses into one
@@ -146,6 +164,17 @@ class GraphWriter:
         mean_square = self.op("ReduceMean", self.op("Pow", x, self.const(2.0)), self.const([-1], np.int64), keepdims=1)
         normed = self.op("Div", x, self.op("Sqrt", self.op("Add", mean_square, self.const(norm.eps))))
         return self.op("Mul", normed, self.weight(f"{name}.weight", norm.weight))
+
+    def add_rms_norm(self, stream: "Residual", norm, name: str) -> tuple[str, str]:
+        """(``rms_norm(stream)``, the stream's value ``delta + base``): one ``SkipSimplifiedLayerNormalization``
+        when fused (its fourth output is the sum), else an Add and the standard-op norm."""
+        if not self.fused or stream.base is None:  # onnxruntime fuses a lone norm's pattern itself
+            value = stream.value(self)
+            return self.rms_norm(value, norm, name), value
+        weight = self.weight(f"{name}.weight", norm.weight)
+        normed, _, _, value = self.op("SkipSimplifiedLayerNormalization", stream.delta, stream.base, weight,
+                                      domain="com.microsoft", epsilon=norm.eps, outputs=4)
+        return normed, value
 
     def silu(self, x: str) -> str:
         return self.op("Mul", x, self.op("Sigmoid", x))
@@ -200,11 +229,7 @@ class _AttentionInputs:
         tokens = g.op("Gather", shape, g.const([1], np.int64), axis=0)
         # past_used = max(past_lengths): only that much of each cache is read
         self.past_used = g.op("Cast", g.op("ReduceMax", past_lengths, keepdims=1), to=TensorProto.INT64)  # [1]
-        # unpack the mask: bit j % 32 of word j // 32
-        cols = g.op("Range", g.const(0, np.int64), g.op("Squeeze", tokens), g.const(1, np.int64))
-        words = g.op("Gather", g.op("Cast", packed_mask, to=TensorProto.INT64), g.op("Div", cols, g.const(32, np.int64)), axis=2)
-        bits = g.op("Gather", g.const([1 << i for i in range(32)], np.int64), g.op("Mod", cols, g.const(32, np.int64)))
-        tree_visible = g.op("Not", g.op("Equal", g.op("BitwiseAnd", words, bits), g.const(0, np.int64)))  # [B, T, T]
+        tree_visible = _tree_visible(g, tokens, packed_mask)  # [B, T, T]
         # cache positions [0, past_lengths[b])
         cache_cols = g.op("Range", g.const(0, np.int64), g.op("Squeeze", self.past_used), g.const(1, np.int64))
         lengths = g.op("Unsqueeze", g.op("Cast", past_lengths, to=TensorProto.INT64), g.const([1], np.int64))
@@ -258,47 +283,116 @@ def _plugin_attention(g, q, k, v, past_k, past_v, past_lengths, packed_mask, cfg
     return g.op("Reshape", out, g.const([0, 0, -1], np.int64))
 
 
+ATTENTIONS = ("gqa", "standard", "plugin")
+
+
 def _check_attention(attention: str) -> None:
-    if attention not in ("standard", "plugin"):
-        raise ValueError(f"attention must be 'standard' or 'plugin', not {attention!r}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, not {attention!r}")
 
 
-def _attention_setup(g: GraphWriter, cfg, attention: str, names: list[str], max_positions: int):
-    """(shared, rope) for :func:`_decoder_layer`: the unpacked attention bias (standard attention only) and the
-    rotary tables. ``names``: the graph's [tokens-shaped int64 ``[B, T]`` input, position_ids, past_lengths,
-    packed mask]. The standard variant uses onnxruntime's RotaryEmbedding op with tables for ``max_positions``
-    positions; the plugin variant (TensorRT) plain ops."""
-    if attention == "plugin":
-        return None, _rope(g, names[1], cfg.head_dim, cfg.rope_theta)
-    shared = _AttentionInputs(g, names[0], names[2], names[3], cfg.num_heads // cfg.num_kv_heads)
-    return shared, _RotaryCache(g, cfg.head_dim, cfg.rope_theta, max_positions)
+class _GqaInputs:
+    """Per-graph tensors of onnxruntime's ``GroupQueryAttention`` (the ``gqa`` variant, docs/engine-contract.md#in-place-kv).
+
+    The op writes the new tokens' K/V into the cache at ``[past_lengths[b], past_lengths[b] + T)`` when its past
+    and present are one buffer (the backend binds them so), rotates q/k itself at ``position_ids`` (tree depths),
+    and masks causally; ``bias`` adds the tree: new token i sees new token j < i only if j is its ancestor.
+    """
+
+    def __init__(self, g: GraphWriter, input_ids: str, past_lengths: str, packed_mask: str) -> None:
+        tokens = g.op("Gather", g.op("Shape", input_ids), g.const([1], np.int64), axis=0)  # [1] int64
+        past = g.op("Cast", past_lengths, to=TensorProto.INT64)  # [B]
+        ends = g.op("Add", past, tokens)  # [B]: each row's length after this pass
+        self.seqlens_k = g.op("Cast", g.op("Sub", ends, g.const(1, np.int64)), to=TensorProto.INT32)
+        total = g.op("ReduceMax", ends, keepdims=0)  # scalar
+        self.total_length = g.op("Cast", total, to=TensorProto.INT32)
+        tree = g.op("Where", _tree_visible(g, tokens, packed_mask), g.const(0.0, g.np_dtype),
+                    g.const(float(np.finfo(g.np_dtype).min), g.np_dtype))  # [B, T, T]
+        # column c of row b reads tree column c - past[b] (index + 1 below; index 0: a zero, for the cache)
+        tree = g.op("Pad", tree, g.const([0, 0, 1, 0, 0, 0], np.int64))  # [B, T, 1 + T]
+        cols = g.op("Unsqueeze", g.op("Range", g.const(0, np.int64), total, g.const(1, np.int64)), g.const([0], np.int64))
+        index = g.op("Add", g.op("Sub", cols, g.op("Unsqueeze", past, g.const([1], np.int64))), g.const(1, np.int64))
+        index = g.op("Min", g.op("Max", index, g.const(0, np.int64)), g.op("Squeeze", tokens))  # [B, total]
+        batch_tokens_total = g.op("Concat", g.op("Shape", past), tokens, g.op("Unsqueeze", total, g.const([0], np.int64)),
+                                  axis=0)
+        index = g.op("Expand", g.op("Unsqueeze", index, g.const([1], np.int64)), batch_tokens_total)  # [B, T, total]
+        bias = g.op("GatherElements", tree, index, axis=2)
+        self.bias = g.op("Unsqueeze", bias, g.const([1], np.int64))  # [B, 1, T, total]
 
 
-def _decoder_layer(g, layer, name, x, rope, past_k, past_v, present_k, present_v, cfg, attention, shared, inputs):
-    h = g.rms_norm(x, layer.input_layernorm, f"{name}.input_layernorm")
-    attn = layer.self_attn
-    split = lambda t, heads: g.op("Reshape", t, g.const([0, 0, heads, cfg.head_dim], np.int64))  # noqa: E731
-    q, k, v = g.fused_linear(h, [attn.q_proj, attn.k_proj, attn.v_proj], f"{name}.qkv_proj")
-    if isinstance(rope, _RotaryCache):
-        q = split(rope.apply(g, q, inputs[1], cfg.num_heads), cfg.num_heads)
-        k = split(rope.apply(g, k, inputs[1], cfg.num_kv_heads), cfg.num_kv_heads)
-    else:
-        cos, sin = rope
-        q = _apply_rope(g, split(q, cfg.num_heads), cos, sin, cfg.head_dim)
-        k = _apply_rope(g, split(k, cfg.num_kv_heads), cos, sin, cfg.head_dim)
-    v = split(v, cfg.num_kv_heads)
-    g.op("Transpose", k, perm=[0, 2, 1, 3], outputs=[present_k])  # [B, Hkv, T, D]
-    g.op("Transpose", v, perm=[0, 2, 1, 3], outputs=[present_v])
-    if attention == "plugin":
-        out = _plugin_attention(g, q, present_k, present_v, past_k, past_v, inputs[2], inputs[3], cfg)
-    else:
-        out = _standard_attention(g, shared, q, present_k, present_v, past_k, past_v, cfg)
-    x = g.op("Add", x, g.linear(out, attn.o_proj, f"{name}.o_proj"))
-    h = g.rms_norm(x, layer.post_attention_layernorm, f"{name}.post_attention_layernorm")
+def _tree_visible(g: GraphWriter, tokens: str, packed_mask: str) -> str:
+    """bool ``[B, T, T]``: new token i may attend to new token j (bit j % 32 of word j // 32 of mask row i)."""
+    cols = g.op("Range", g.const(0, np.int64), g.op("Squeeze", tokens), g.const(1, np.int64))
+    words = g.op("Gather", g.op("Cast", packed_mask, to=TensorProto.INT64), g.op("Div", cols, g.const(32, np.int64)),
+                 axis=2)
+    bits = g.op("Gather", g.const([1 << i for i in range(32)], np.int64), g.op("Mod", cols, g.const(32, np.int64)))
+    return g.op("Not", g.op("Equal", g.op("BitwiseAnd", words, bits), g.const(0, np.int64)))
+
+
+class _Attention:
+    """One graph's attention, in its variant: what every decoder layer's attention shares (rotary tables, the
+    unpacked mask) and the per-layer call. ``names``: the graph's [tokens-shaped int64 ``[B, T]`` input,
+    position_ids, past_lengths, packed mask]; ``caches`` / ``presents``: per KV layer (past key, past value) and
+    (present key, present value) names.
+
+    - ``gqa``: one ``com.microsoft.GroupQueryAttention`` per layer over the packed q/k/v projection, the cache
+      updated in place (its presents are the cache: ``[B, Hkv, S_max, D]``);
+    - ``standard``: onnxruntime's RotaryEmbedding and standard attention ops reading the cache in place, the new
+      tokens' K/V out (``[B, Hkv, T, D]``);
+    - ``plugin``: plain ops and one ``clover.TreeAttention`` node per layer (TensorRT), presents as ``standard``.
+    """
+
+    def __init__(self, g: GraphWriter, cfg, variant: str, names: list[str], max_positions: int,
+                 caches: list[tuple[str, str]], presents: list[tuple[str, str]]) -> None:
+        _check_attention(variant)
+        self.cfg, self.variant, self.names, self.caches, self.presents = cfg, variant, names, caches, presents
+        if variant == "plugin":
+            self.rope = _rope(g, names[1], cfg.head_dim, cfg.rope_theta)
+            return
+        self.rope = _RotaryCache(g, cfg.head_dim, cfg.rope_theta, max_positions)
+        if variant == "gqa":
+            self.gqa = _GqaInputs(g, names[0], names[2], names[3])
+        else:
+            self.shared = _AttentionInputs(g, names[0], names[2], names[3], cfg.num_heads // cfg.num_kv_heads)
+
+    def __call__(self, g: GraphWriter, h: str, attn, name: str, index: int) -> str:
+        """Attention of KV layer ``index`` over the normed input ``h`` ``[B, T, H]`` -> ``[B, T, Hq*D]``."""
+        cfg, (past_k, past_v), (present_k, present_v) = self.cfg, self.caches[index], self.presents[index]
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        if self.variant == "gqa":
+            qkv = g.concat_linear(h, projections, f"{name}.qkv_proj")
+            r = self.rope
+            out, _, _ = g.op("GroupQueryAttention", qkv, "", "", past_k, past_v, self.gqa.seqlens_k,
+                             self.gqa.total_length, r.cos, r.sin, self.names[1], self.gqa.bias, domain="com.microsoft",
+                             outputs=[g._name("gqa"), present_k, present_v], num_heads=cfg.num_heads,
+                             kv_num_heads=cfg.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+                             scale=1.0 / math.sqrt(cfg.head_dim))
+            return out
+        split = lambda t, heads: g.op("Reshape", t, g.const([0, 0, heads, cfg.head_dim], np.int64))  # noqa: E731
+        q, k, v = g.fused_linear(h, projections, f"{name}.qkv_proj")
+        if self.variant == "standard":
+            q = split(self.rope.apply(g, q, self.names[1], cfg.num_heads), cfg.num_heads)
+            k = split(self.rope.apply(g, k, self.names[1], cfg.num_kv_heads), cfg.num_kv_heads)
+        else:
+            cos, sin = self.rope
+            q = _apply_rope(g, split(q, cfg.num_heads), cos, sin, cfg.head_dim)
+            k = _apply_rope(g, split(k, cfg.num_kv_heads), cos, sin, cfg.head_dim)
+        g.op("Transpose", k, perm=[0, 2, 1, 3], outputs=[present_k])  # [B, Hkv, T, D]
+        g.op("Transpose", split(v, cfg.num_kv_heads), perm=[0, 2, 1, 3], outputs=[present_v])
+        if self.variant == "plugin":
+            return _plugin_attention(g, q, present_k, present_v, past_k, past_v, self.names[2], self.names[3], cfg)
+        return _standard_attention(g, self.shared, q, present_k, present_v, past_k, past_v, cfg)
+
+
+def _decoder_layer(g: GraphWriter, layer, name: str, stream: Residual, attention: _Attention, index: int) -> Residual:
+    """One Llama decoder layer on the residual stream; its output is left unsummed for the next fused norm."""
+    h, x = g.add_rms_norm(stream, layer.input_layernorm, f"{name}.input_layernorm")
+    attended = attention(g, h, layer.self_attn, name, index)
+    h, x = g.add_rms_norm(Residual(g.linear(attended, layer.self_attn.o_proj, f"{name}.o_proj"), x),
+                          layer.post_attention_layernorm, f"{name}.post_attention_layernorm")
     mlp = layer.mlp
     gate, up = g.fused_linear(h, [mlp.gate_proj, mlp.up_proj], f"{name}.gate_up_proj")
-    gated = g.op("Mul", g.silu(gate), up)
-    return g.op("Add", x, g.linear(gated, mlp.down_proj, f"{name}.down_proj"))
+    return Residual(g.linear(g.op("Mul", g.silu(gate), up), mlp.down_proj, f"{name}.down_proj"), x)
 
 
 def _save(g: GraphWriter, graph: onnx.GraphProto, path: Path, check: bool = True) -> None:
@@ -325,10 +419,13 @@ def _use_stored_weights(g: GraphWriter, target: LlamaTarget, weights: dict | Non
 
 
 def _embedding_table(g: GraphWriter, target: LlamaTarget) -> str:
-    """The Gather table: the embedding as is, or for tied embeddings with a quantized LM head, the stored LM head
-    dequantised (one table, stored once: the demo GGUF's Q8_0 token_embd serves both)."""
-    if target.config.tie_word_embeddings and target.lm_head in g.stored:
-        return g.weight("embed_tokens.weight", g.stored[target.lm_head].dequantize())
+    """The Gather table: the embedding as is, or for tied embeddings with an LM head stored in GGUF or int8 form,
+    the stored LM head dequantised (one table, stored once: the demo GGUF's Q8_0 token_embd serves both); a
+    4-bit LM head re-quantised from the checkpoint leaves the embedding in full precision (as
+    onnxruntime-genai's builder does)."""
+    stored = g.stored.get(target.lm_head)
+    if target.config.tie_word_embeddings and stored is not None and stored.format != "int4_block":
+        return g.weight("embed_tokens.weight", stored.dequantize())
     return g.weight("embed_tokens.weight", target.embed_tokens.weight)
 
 
@@ -345,13 +442,13 @@ def _lm_head(g: GraphWriter, target: LlamaTarget, normed: str, embed: str) -> No
 
 
 def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtype: str = "fp32",
-                  attention: str = "standard", on_layer=None, max_positions: int = 2048,
+                  attention: str = "gqa", on_layer=None, max_positions: int = 2048,
                   target_weights: dict | None = None, compute: str = "fp32") -> dict:
     """Write ``target.onnx`` (+ ``target.onnx.data``): target plus Augmenting Block.
 
     ``on_layer(done, total)`` is called after each layer is written (progress).
-    The standard variant uses onnxruntime's RotaryEmbedding op with tables for
-    ``max_positions`` positions; the plugin variant (TensorRT) uses plain ops.
+    ``attention``: a variant of :class:`_Attention`; ``gqa`` and ``standard`` use onnxruntime's fused ops
+    (rotary tables for ``max_positions`` positions, fused norms), ``plugin`` (TensorRT) plain ops.
     ``target_weights``: quantized linears (:func:`clover.export.target_weights.target_weights_for`), run
     with ``compute`` (``fp32`` or ``int8`` activations; docs/quantized-target.md); None: the fp32 weights.
     Returns the tensor table for ``engine.json``.
@@ -361,6 +458,7 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
     augment = drafter.augment if drafter is not None else None
     num_kv = cfg.num_layers + (augment is not None)
     g = GraphWriter(Path(str(path) + ".data"), dtype)
+    g.fused = attention != "plugin"
     _use_stored_weights(g, target, target_weights, compute)
     float_type = g.onnx_dtype  # ONNX element type of the float inputs and outputs
     cache_names, present_names = cache_input_names(num_kv), present_output_names(num_kv)
@@ -371,30 +469,28 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
         helper.make_tensor_value_info("spec_decoding_packed_mask", TensorProto.INT32, ["batch", "tokens", "mask_words"]),
     ] + [helper.make_tensor_value_info(n, float_type, ["batch", cfg.num_kv_heads, "max_seq", cfg.head_dim])
          for n in cache_names]
+    present_tokens = "max_seq" if attention == "gqa" else "tokens"  # gqa: the presents are the cache, updated in place
     outputs = [
         helper.make_tensor_value_info("logits", float_type, ["batch", "tokens", cfg.vocab_size]),
         helper.make_tensor_value_info("h0", float_type, ["batch", "tokens", cfg.hidden_size]),
-    ] + [helper.make_tensor_value_info(n, float_type, ["batch", cfg.num_kv_heads, "tokens", cfg.head_dim])
+    ] + [helper.make_tensor_value_info(n, float_type, ["batch", cfg.num_kv_heads, present_tokens, cfg.head_dim])
          for n in present_names]
     names = [i.name for i in inputs]
-    shared, rope = _attention_setup(g, cfg, attention, names, max_positions)
+    attend = _Attention(g, cfg, attention, names, max_positions, list(zip(cache_names[0::2], cache_names[1::2])),
+                        list(zip(present_names[0::2], present_names[1::2])))
     embed = _embedding_table(g, target)
-    x = g.op("Gather", embed, "input_ids", axis=0)
-    last_input = x
+    stream = Residual(g.op("Gather", embed, "input_ids", axis=0))
+    last_input = stream
     for i, layer in enumerate(target.layers):
-        last_input = x
-        x = _decoder_layer(g, layer, f"layers.{i}", x, rope, cache_names[2 * i], cache_names[2 * i + 1],
-                           present_names[2 * i], present_names[2 * i + 1], cfg, attention, shared, names)
+        last_input = stream
+        stream = _decoder_layer(g, layer, f"layers.{i}", stream, attend, i)
         if on_layer is not None:
             on_layer(i + 1, num_kv)
-    _lm_head(g, target, g.rms_norm(x, target.norm, "norm"), embed)
-    if augment is None:
-        g.op("Identity", x, outputs=["h0"])
-    else:
-        i = cfg.num_layers
-        h0 = _decoder_layer(g, augment, "augment", last_input, rope, cache_names[2 * i], cache_names[2 * i + 1],
-                            present_names[2 * i], present_names[2 * i + 1], cfg, attention, shared, names)
-        g.op("Identity", h0, outputs=["h0"])
+    normed, last_hidden = g.add_rms_norm(stream, target.norm, "norm")
+    _lm_head(g, target, normed, embed)
+    if augment is not None:  # the Augmenting Block reads the last layer's input (docs/drafter.md)
+        last_hidden = _decoder_layer(g, augment, "augment", last_input, attend, cfg.num_layers).value(g)
+    g.op("Identity", last_hidden, outputs=["h0"])
     graph = helper.make_graph(g.nodes, "clover_target", inputs, outputs, g.initializers)
     _save(g, graph, Path(path))
     return {"inputs": _describe(inputs), "outputs": _describe(outputs)}
@@ -572,18 +668,20 @@ def export_draft_prefill(target: LlamaTarget, drafter, path: Path, dtype: str = 
     inputs, outputs = _draft_prefill_io(g, cfg, drafter.num_kv_layers)
     cache_names = draft_cache_input_names(drafter.num_kv_layers)
     present_names = draft_present_output_names(drafter.num_kv_layers)
-    names = ["next_token", "position_ids", "past_lengths", "spec_decoding_packed_mask"]  # _decoder_layer's roles
-    shared, rope = _attention_setup(g, cfg, attention, names, max_positions)
+    names = ["next_token", "position_ids", "past_lengths", "spec_decoding_packed_mask"]  # _Attention's roles
+    # the drafter's cache keeps contract v2 (presents out), so gqa engines write its block with standard attention
+    attend = _Attention(g, cfg, "plugin" if attention == "plugin" else "standard", names, max_positions,
+                        list(zip(cache_names[0::2], cache_names[1::2])), list(zip(present_names[0::2], present_names[1::2])))
+    g.fused = attention != "plugin"
     embedding = g.op("Gather", g.weight("lm_head.weight", target.lm_head.weight), "next_token", axis=0)  # [B, T, H]
     mixer = drafter.token_mixer
     normed = g.rms_norm("hidden", drafter.input_norm, "input_norm")
     update = _cosine_gate(g, g.rms_norm(normed, mixer.norm, "token_mixer.norm"), embedding, mixer, "token_mixer",
                           mixer.num_heads, cfg.hidden_size, mixer.eps, rank=3)
-    x = g.op("Add", normed, update)
+    stream = Residual(update, normed)
     for i, layer in enumerate(drafter.block):
-        x = _decoder_layer(g, layer, f"block.{i}", x, rope, cache_names[2 * i], cache_names[2 * i + 1],
-                           present_names[2 * i], present_names[2 * i + 1], cfg, attention, shared, names)
-    g.op("Identity", g.rms_norm(x, drafter.block_norm, "block_norm"), outputs=["state"])
+        stream = _decoder_layer(g, layer, f"block.{i}", stream, attend, i)
+    g.op("Identity", g.add_rms_norm(stream, drafter.block_norm, "block_norm")[0], outputs=["state"])
     graph = helper.make_graph(g.nodes, "clover2_draft_prefill", inputs, outputs, g.initializers)
     _save(g, graph, Path(path))
     return {"inputs": _describe(inputs), "outputs": _describe(outputs)}

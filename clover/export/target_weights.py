@@ -10,6 +10,11 @@ onnxruntime's ``com.microsoft.MatMulNBits``, which reads the packed blocks direc
   GGUF these are its own bytes (no re-quantisation); other checkpoints are quantised per block by the
   ``gguf`` package's llama.cpp reference quantiser.
 - ``int8``: every linear weight (LM head included) int8, symmetric, one scale per output channel.
+- ``int4``: every linear weight (LM head included) in MatMulNBits' own symmetric 4-bit blocks of 32 (one
+  scale per block, the default zero point), quantised from the fp32 weights, as onnxruntime-genai's model
+  builder does (``-p int4``): one MatMulNBits node per linear and nothing beside it, the fastest graph on a
+  CPU (docs/results/lean-graph); from the demo GGUF it re-quantises the Q4_1 / Q8_0 values, so it agrees less
+  with the fp32 engine than ``q4`` (docs/quantized-target.md).
 
 Embeddings, norms, rotary tables and the Augmenting Block stay as they are: a Gather reads one row per
 token (its precision costs nothing per pass; the demo's table holds the Q8_0 values dequantised), norms are
@@ -27,7 +32,7 @@ import numpy as np
 
 from clover.config import ConfigError
 
-TARGET_WEIGHTS = ("fp32", "int8", "q4")
+TARGET_WEIGHTS = ("fp32", "int8", "q4", "int4")
 TARGET_COMPUTE = ("fp32", "int8")  # MatMulNBits accuracy_level 1 / 4: activations fp32, or int8 per block
 ACCURACY_LEVEL = {"fp32": 1, "int8": 4}
 BLOCK = 32  # weights per Q4_1 / Q8_0 block, and the smallest input size a quantized linear may have
@@ -42,8 +47,10 @@ LAYER_LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "se
 class StoredWeight:
     """One linear weight ``[N out, K in]`` as stored.
 
-    ``format``: ``q4_1`` / ``q8_0`` (``data``: the GGUF block bytes, uint8 ``[N, K/32 * bytes per block]``) or
-    ``int8_channel`` (``data``: int8 ``[N, K]``, ``scale``: fp32 ``[N]``).
+    ``format``: ``q4_1`` / ``q8_0`` (``data``: the GGUF block bytes, uint8 ``[N, K/32 * bytes per block]``),
+    ``int8_channel`` (``data``: int8 ``[N, K]``, ``scale``: fp32 ``[N]``) or ``int4_block`` (``data``: uint8
+    ``[N, K/32, 16]``, weight ``2i`` in the low nibble of byte ``i``, ``scale``: fp32 ``[N, K/32]``;
+    ``w = scale * (q - 8)``).
     """
 
     format: str
@@ -56,6 +63,9 @@ class StoredWeight:
         dequantiser, the reference llama.cpp's reader uses)."""
         if self.format == "int8_channel":
             return self.data.astype(np.float32) * self.scale[:, None]
+        if self.format == "int4_block":
+            q = np.stack([self.data & 0x0F, self.data >> 4], axis=-1).reshape(*self.data.shape[:2], BLOCK)
+            return ((q.astype(np.float32) - 8) * self.scale[..., None]).reshape(self.shape)
         from gguf import GGMLQuantizationType, quants
 
         return quants.dequantize(self.data, GGMLQuantizationType[self.format.upper()]).astype(np.float32)
@@ -84,6 +94,20 @@ def quantize_gguf(weight: np.ndarray, fmt: str) -> StoredWeight:
 
     weight = np.ascontiguousarray(weight, dtype=np.float32)
     return StoredWeight(fmt, weight.shape, quants.quantize(weight, GGMLQuantizationType[fmt.upper()]))
+
+
+def quantize_int4_block(weight: np.ndarray) -> StoredWeight:
+    """fp32 ``[N, K]`` -> symmetric 4-bit blocks of 32: the value of largest magnitude ``v`` maps to -8 with scale
+    ``v / -8`` (as ggml's Q4_0 and onnxruntime's own 4-bit quantiser), the others round to the nearest level."""
+    weight = np.asarray(weight, dtype=np.float32)
+    n, k = weight.shape
+    blocks = weight.reshape(n, k // BLOCK, BLOCK)
+    peak = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1)[..., None], axis=-1)[..., 0]  # [N, K/32]
+    scale = peak / np.float32(-8)
+    safe = np.where(scale == 0, np.float32(1), scale)
+    q = np.clip(np.rint(blocks / safe[..., None]) + 8, 0, 15).astype(np.uint8)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    return StoredWeight("int4_block", (n, k), np.ascontiguousarray(packed), scale.astype(np.float32))
 
 
 def quantize_int8_channel(weight: np.ndarray) -> StoredWeight:
@@ -143,6 +167,8 @@ def pack_matmul_nbits(weight: StoredWeight) -> PackedMatMul:
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = blocks[..., 2:].view(np.int8)
         return PackedMatMul(k, n, 8, BLOCK, _offset_binary(q), d.reshape(-1))
+    if weight.format == "int4_block":
+        return PackedMatMul(k, n, 4, BLOCK, weight.data, weight.scale.reshape(-1))
     if weight.format == "int8_channel":
         q = weight.data.reshape(n, k // BLOCK, BLOCK)
         return PackedMatMul(k, n, 8, BLOCK, _offset_binary(q), np.repeat(weight.scale, k // BLOCK))
@@ -179,12 +205,14 @@ def check_quantizable(cfg, precision: str) -> None:
 
 def quantize_target(model, precision: str) -> dict[str, StoredWeight]:
     """The stored weights of ``model``'s linears (clover names, ``lm_head.weight`` included) at ``precision``
-    (``q4`` or ``int8``), quantised from its fp32 weights."""
+    (``q4``, ``int8`` or ``int4``), quantised from its fp32 weights."""
     check_quantizable(model.config, precision)
     state = {name: tensor.detach().float().numpy() for name, tensor in model.state_dict().items()}
     names = _linear_names(model.config) + ["lm_head.weight"]
     if precision == "int8":
         return {name: quantize_int8_channel(state[name]) for name in names}
+    if precision == "int4":
+        return {name: quantize_int4_block(state[name]) for name in names}
     return {name: quantize_gguf(state[name], "q8_0" if name == "lm_head.weight" else "q4_1") for name in names}
 
 
