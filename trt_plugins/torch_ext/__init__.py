@@ -2,7 +2,8 @@
 
 ``load_extension()`` JIT-compiles ``tree_attention_ext.cpp`` together with
 ``trt_plugins/tree_attention_kernel.cu`` via ``torch.utils.cpp_extension.load``
-(needs a CUDA build of torch and nvcc); nothing is compiled at import time.
+(needs a CUDA build of torch and nvcc; without ninja, through setuptools instead);
+nothing is compiled at import time.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PLUGIN_DIR = HERE.parent
 EXTENSION_NAME = "clover_tree_attention_ext"
+SOURCES = [str(HERE / "tree_attention_ext.cpp"), str(PLUGIN_DIR / "tree_attention_kernel.cu")]
+CXX_FLAGS = ["-O3", "-std=c++17"]
+NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
 
 _extension = None
 
@@ -28,20 +32,45 @@ def load_extension(verbose: bool = False, build_directory: str | None = None):
     global _extension
     if _extension is not None:
         return _extension
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import is_ninja_available, load
 
     if build_directory is not None:
         os.makedirs(build_directory, exist_ok=True)
+    if not is_ninja_available():  # torch's JIT loader needs ninja; a GPU host may lack it and have no internet
+        _extension = _build_with_setuptools(build_directory or "/tmp/clover_tree_attention_ext_setuptools", verbose)
+        return _extension
     _extension = load(
         name=EXTENSION_NAME,
-        sources=[str(HERE / "tree_attention_ext.cpp"), str(PLUGIN_DIR / "tree_attention_kernel.cu")],
+        sources=SOURCES,
         extra_include_paths=[str(PLUGIN_DIR)],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
+        extra_cflags=CXX_FLAGS,
+        extra_cuda_cflags=NVCC_FLAGS,
         build_directory=build_directory,
         verbose=verbose,
     )
     return _extension
+
+
+def _build_with_setuptools(build_directory: str, verbose: bool):
+    """The same extension built without ninja: torch's ``BuildExtension(use_ninja=False)`` through setuptools
+    (a dependency of torch), then imported from ``build_directory``. Slower (one source at a time)."""
+    import importlib.util
+
+    import setuptools
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    os.makedirs(build_directory, exist_ok=True)
+    extension = CUDAExtension(EXTENSION_NAME, SOURCES, include_dirs=[str(PLUGIN_DIR)],
+                              extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS})
+    setuptools.setup(name=EXTENSION_NAME, ext_modules=[extension],
+                     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+                     script_args=["build_ext", "--build-lib", build_directory,
+                                  "--build-temp", os.path.join(build_directory, "temp"), *([] if verbose else ["-q"])])
+    library = next(Path(build_directory).glob(f"{EXTENSION_NAME}*.so"))
+    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tree_attention(q, k, v, k_cache, v_cache, past_lengths, packed_mask, scale: float | None = None):
