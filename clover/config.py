@@ -188,8 +188,13 @@ class DrafterConfig(JsonMixin):
     # stays normalised); "scaled": "residual" with e times a learned scalar (initialised from the data to the
     # median norm of h0); "concat": EAGLE-style FC([norm(h); e]) with e at RMS 1, no gate
     token_path: str = "residual"
+    # Multi-layer features (EAGLE-3; docs/drafter.md#multi-layer-features): the Augmenting Block reads a learned
+    # fusion of the inputs of these target layers (0: the embeddings' output, num_layers - 1: the last layer's
+    # input) instead of the last layer's input alone. None (every head saved before the field existed): that alone
+    feature_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
+        self._check_feature_layers()
         if self.method not in DRAFTER_METHODS:
             raise ConfigError(f"unknown drafter method {self.method!r}; choose one of {', '.join(DRAFTER_METHODS)}")
         if self.num_heads < 1:
@@ -203,6 +208,18 @@ class DrafterConfig(JsonMixin):
         if self.token_path != "residual" and self.method not in ("clover", "clover-no-augment"):
             raise ConfigError(f"token path {self.token_path!r} needs the Attention Decoder (method clover or "
                               f"clover-no-augment), not {self.method!r}")
+
+    def _check_feature_layers(self) -> None:
+        if self.feature_layers is None:
+            return
+        layers = list(self.feature_layers)
+        if self.method not in ("clover", "clover-mlp-regressive", "clover-no-regressive"):
+            raise ConfigError(f"feature_layers feed the Augmenting Block; {self.method!r} heads have none in the "
+                              "target pass")
+        if len(layers) < 2 or sorted(set(layers)) != layers:
+            raise ConfigError(f"feature_layers {layers}: two or more distinct target layers, in increasing order")
+        if layers[0] < 0 or layers[-1] >= self.target_num_layers:
+            raise ConfigError(f"feature_layers {layers}: layer inputs 0..{self.target_num_layers - 1} only")
 
     @property
     def has_augmenting_block(self) -> bool:
@@ -231,6 +248,22 @@ class DrafterConfig(JsonMixin):
         """How the token's unit-norm embedding is scaled: ``unit`` (as is), ``rms`` (times sqrt(H): RMS 1, the
         normalised stream's scale) or ``learned`` (times a trained scalar)."""
         return {"residual": "unit", "scaled": "learned"}.get(self.token_path, "rms")
+
+
+def resolve_feature_layers(spec: str | list[int] | None, num_layers: int) -> list[int] | None:
+    """``DrafterConfig.feature_layers`` from a command line: ``eagle3`` (a low, a middle and the highest layer:
+    the inputs of layers 2, L/2 and L-1, as EAGLE-3 picks them), comma-separated layer indices, or None/"" (the
+    last layer's input alone)."""
+    if spec is None or spec == "" or spec == []:
+        return None
+    if spec == "eagle3":
+        return sorted({min(2, num_layers - 1), num_layers // 2, num_layers - 1})
+    if isinstance(spec, str):
+        try:
+            return [int(x) for x in spec.split(",")]
+        except ValueError as exc:
+            raise ConfigError(f"feature layers {spec!r}: 'eagle3' or comma-separated layer indices") from exc
+    return list(spec)
 
 
 @dataclasses.dataclass

@@ -143,6 +143,9 @@ class Drafter(nn.Module):
         self.config = config
         hidden, eps = config.hidden_size, target_config.rms_norm_eps
         self.augment = DecoderLayer(target_config) if config.has_augmenting_block else None
+        layers = config.feature_layers or []
+        # multi-layer features (docs/drafter.md#multi-layer-features): [h_l1; h_l2; ...] -> the block's input
+        self.feature_fuse = nn.Linear(len(layers) * hidden, hidden, bias=False) if layers else None
         if config.regressive == "attention":
             self.regressive = AttentionDecoder(hidden, config.num_attention_heads, eps, config.normalizes_state,
                                                config.token_embedding_scale == "learned")
@@ -187,12 +190,22 @@ class Drafter(nn.Module):
         with torch.no_grad():
             if drafter.augment is not None:
                 drafter.augment.load_state_dict(target.layers[-1].state_dict())
+            if drafter.feature_fuse is not None:  # starts by passing the highest layer's input: the one-layer block
+                size = config.hidden_size
+                drafter.feature_fuse.weight.zero_()
+                drafter.feature_fuse.weight[:, -size:].copy_(torch.eye(size))
             drafter.head_norm.weight.copy_(target.norm.weight)
             if drafter.regressive is not None:
                 if hasattr(drafter.regressive, "norm"):
                     drafter.regressive.norm.weight.copy_(target.norm.weight)
                 drafter.regressive.reset_parameters(config.init_noise_std)
         return drafter
+
+    def augment_input(self, features: torch.Tensor) -> torch.Tensor:
+        """The Augmenting Block's input ``[..., H]`` from the target's features: the last layer's input
+        ``[..., H]``, or with ``feature_layers`` the inputs of those layers concatenated in their order
+        ``[..., k*H]``, fused by a learned linear map (EAGLE-3's FC)."""
+        return features if self.feature_fuse is None else self.feature_fuse(features)
 
     def embed(self, token: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Regressive embedding ``normalize(W_lm[token])``: token ``[N]`` -> ``[N, H]``; times sqrt(H) (RMS 1)
@@ -405,6 +418,14 @@ def new_drafter_config(method: str, num_heads: int, target: LlamaTarget, **field
 
 def drafter_class(config: DrafterConfig) -> type[nn.Module]:
     return Clover2Drafter if config.has_draft_prefill else Drafter
+
+
+def check_onnx_exportable(config: DrafterConfig) -> None:
+    """Raise :class:`ConfigError` for heads the ONNX engine graphs cannot run yet, before any build work."""
+    if config.feature_layers:
+        raise ConfigError(f"these heads read multi-layer features (feature_layers {config.feature_layers}); the ONNX "
+                          "target graph exports the last layer's input only, so they run on the torch backend for "
+                          "now (docs/drafter.md#multi-layer-features)")
 
 
 def check_compatible(config: DrafterConfig, target: LlamaTarget, source: str = "drafter") -> None:

@@ -311,44 +311,70 @@ def tiny_config(cache_dir, output, method="clover", **overrides):
 
 def test_training_forward_equals_inference_chain(tiny, distilled):
     """Training's h0 and per-head logits for one root equal the decode loop's engine calls."""
+    from tests.test_feature_layers import multi_layer_drafter
+
     target = tiny["target"]
     record = max(distilled, key=lambda r: len(r["response_ids"]))
     ids = record["prompt_ids"] + record["response_ids"]
-    n, num_prompt = len(ids), len(record["prompt_ids"])
-    with torch.no_grad():
-        last_input, last_hidden = cache_mod.target_hidden_states(target, torch.tensor([ids]))
-    batch = batches_mod.Batch(last_input, last_hidden, torch.tensor([ids]), torch.arange(n)[None] >= num_prompt,
-                            torch.tensor([n]), [record["category"]])
-    root = num_prompt + 1  # a root inside the answer: token root+1 is the verified tok0
     # every method, and Clover with every token path (docs/drafter.md#token-path)
     variants = [(m, "residual") for m in METHODS] + [("clover", p) for p in TOKEN_PATHS if p != "residual"]
     for method, token_path in variants:
-        drafter = make_drafter(target, method=method, num_heads=3, seed=4, token_path=token_path)
-        engine = TorchEngine(target, drafter, max_seq_len=256, draft_top_k=5)
-        roots = forward_mod.find_roots(batch, 3)
-        assert roots.t.min() == num_prompt - 1, "the first root is the last prompt position"
-        row = int(((roots.b == 0) & (roots.t == root)).nonzero())
-        with torch.no_grad():
-            h0 = forward_mod.compute_h0(drafter, target, batch)
-            chain = list(forward_mod.head_logits(drafter, target.lm_head.weight, h0[roots.b, roots.t][row: row + 1],
-                                               roots.tok_in[row: row + 1], roots.valid[row: row + 1]))
-        assert [i for i, _, _ in chain] == [0, 1, 2]
-        # inference: prefill up to the root, then one draft step per depth with the true tokens
-        spec = engine.spec
-        caches = [torch.zeros(1, spec.num_kv_heads, 0, spec.head_dim) for _ in range(spec.num_kv_layers)]
-        result = engine.target(torch.tensor([ids[: root + 1]]), torch.arange(root + 1)[None],
-                               torch.zeros(1, dtype=torch.int32),
-                               __import__("clover.attention", fromlist=["x"]).causal_packed_mask(1, root + 1),
-                               caches, caches)
-        torch.testing.assert_close(h0[0, root], result.h0[0, root], atol=2e-5, rtol=1e-5)
-        hidden = result.h0[:, root]
-        for i, _, logits in chain:
-            assert int(roots.tok_in[row, i]) == ids[root + 1 + i] and int(roots.labels[row, i]) == ids[root + 2 + i]
-            draft = engine.draft_step(hidden, torch.tensor([ids[root + 1 + i]]), i)
-            train_top = torch.log_softmax(logits.float(), -1).topk(5)
-            torch.testing.assert_close(train_top.values, draft.topk_logprobs, atol=1e-4, rtol=1e-4)
-            assert train_top.indices.tolist() == draft.topk_ids.tolist(), (method, token_path)
-            hidden = draft.next_hidden
+        _check_training_chain(target, make_drafter(target, method=method, num_heads=3, seed=4, token_path=token_path),
+                              record, ids)
+    # multi-layer features (docs/drafter.md#multi-layer-features): training's fused input is the target pass's
+    for method in ("clover", "clover-no-regressive"):
+        _check_training_chain(target, multi_layer_drafter(target, (0, 1), seed=4, method=method), record, ids)
+
+
+def _check_training_chain(target, drafter, record: dict, ids: list[int]) -> None:
+    n, num_prompt = len(ids), len(record["prompt_ids"])
+    with torch.no_grad():
+        x_in, last_hidden = cache_mod.target_hidden_states(target, torch.tensor([ids]),
+                                                           drafter.config.feature_layers or ())
+    batch = batches_mod.Batch(x_in, last_hidden, torch.tensor([ids]), torch.arange(n)[None] >= num_prompt,
+                              torch.tensor([n]), [record["category"]])
+    root = num_prompt + 1  # a root inside the answer: token root+1 is the verified tok0
+    engine = TorchEngine(target, drafter, max_seq_len=256, draft_top_k=5)
+    roots = forward_mod.find_roots(batch, 3)
+    assert roots.t.min() == num_prompt - 1, "the first root is the last prompt position"
+    row = int(((roots.b == 0) & (roots.t == root)).nonzero())
+    with torch.no_grad():
+        h0 = forward_mod.compute_h0(drafter, target, batch)
+        chain = list(forward_mod.head_logits(drafter, target.lm_head.weight, h0[roots.b, roots.t][row: row + 1],
+                                             roots.tok_in[row: row + 1], roots.valid[row: row + 1]))
+    assert [i for i, _, _ in chain] == [0, 1, 2]
+    # inference: prefill up to the root, then one draft step per depth with the true tokens
+    spec = engine.spec
+    caches = [torch.zeros(1, spec.num_kv_heads, 0, spec.head_dim) for _ in range(spec.num_kv_layers)]
+    result = engine.target(torch.tensor([ids[: root + 1]]), torch.arange(root + 1)[None],
+                           torch.zeros(1, dtype=torch.int32),
+                           __import__("clover.attention", fromlist=["x"]).causal_packed_mask(1, root + 1),
+                           caches, caches)
+    torch.testing.assert_close(h0[0, root], result.h0[0, root], atol=2e-5, rtol=1e-5)
+    hidden = result.h0[:, root]
+    for i, _, logits in chain:
+        assert int(roots.tok_in[row, i]) == ids[root + 1 + i] and int(roots.labels[row, i]) == ids[root + 2 + i]
+        draft = engine.draft_step(hidden, torch.tensor([ids[root + 1 + i]]), i)
+        train_top = torch.log_softmax(logits.float(), -1).topk(5)
+        torch.testing.assert_close(train_top.values, draft.topk_logprobs, atol=1e-4, rtol=1e-4)
+        assert train_top.indices.tolist() == draft.topk_ids.tolist(), drafter.config
+        hidden = draft.next_hidden
+
+
+def test_multi_layer_heads_train_on_online_features_and_refuse_a_cache(tiny, cache_dir, tmp_path):
+    """--feature-layers trains the fusion on the target's layer inputs computed in the step; a hidden-state cache,
+    which stores the last layer's input only, is refused when it would have to supply them."""
+    target = tiny["target"]
+    with pytest.raises(ConfigError, match="multi-layer features need --features online"):
+        train_mod.train(tiny_config(cache_dir, tmp_path / "cached", feature_layers="0,1"), target=target)
+    cfg = tiny_config(cache_dir, tmp_path / "online", feature_layers="0,1", features="online", labels="soft")
+    summary = train_mod.train(cfg, target=target)
+    heads = load_drafter(tmp_path / "online", target)
+    assert heads.config.feature_layers == [0, 1] and summary["steps"] >= 2
+    size = target.config.hidden_size
+    fuse = heads.feature_fuse.weight.float()
+    assert fuse[:, :size].abs().max() > 0, "the low layer's block of the fusion did not train"
+    assert "feature_layers" in cfg.resume_key() and "feature_layers" not in tiny_config(cache_dir, "x").resume_key()
 
 
 def test_clover2_training_forward_equals_the_decode_loop(tiny, distilled):

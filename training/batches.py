@@ -19,7 +19,8 @@ from training.hidden_cache import HiddenCache
 
 @dataclasses.dataclass
 class Batch:
-    """Padded conversations. x_in / x_last ``[B, T, H]`` (None when not needed),
+    """Padded conversations. x_in / x_last ``[B, T, H]`` (None when not needed; x_in ``[B, T, k*H]`` with
+    multi-layer features),
     tokens int64 ``[B, T]``, assistant bool ``[B, T]``, lengths int64 ``[B]``."""
 
     x_in: torch.Tensor | None
@@ -90,7 +91,8 @@ def collate(cache: HiddenCache, indices: list[int], need_input: bool, need_last:
     batch, width, hidden = len(convs), int(lengths.max()), cache.hidden_size
     tokens = torch.zeros(batch, width, dtype=torch.long)
     assistant = torch.zeros(batch, width, dtype=torch.bool)
-    x_in = torch.zeros(batch, width, hidden) if need_input else None
+    features = convs[0]["last_layer_input"].shape[-1] if need_input else 0  # H, or k*H: multi-layer features
+    x_in = torch.zeros(batch, width, features) if need_input else None
     x_last = torch.zeros(batch, width, hidden) if need_last else None
     for row, c in enumerate(convs):
         n = len(c["tokens"])

@@ -55,9 +55,10 @@ def stored_dtype(checkpoint: str | Path) -> str | None:
     return hf.get("torch_dtype") or hf.get("dtype")
 
 
-def online_hidden_states(target, tokens: torch.Tensor, need_input: bool,
-                         need_last: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(last_layer_input, last_hidden) fp32 ``[B, T, H]`` of the frozen target for ``tokens`` int64 ``[B, T]``.
+def online_hidden_states(target, tokens: torch.Tensor, need_input: bool, need_last: bool,
+                         capture_layers=()) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(last_layer_input, last_hidden) fp32 ``[B, T, H]`` of the frozen target for ``tokens`` int64 ``[B, T]``;
+    with ``capture_layers`` the first is the inputs of those layers, ``[B, T, k*H]`` (multi-layer features).
 
     Right padding (token 0 after a conversation's end) changes nothing at the real positions: the
     pass is causal. The results are fresh tensors made outside inference mode, so the drafter's
@@ -69,7 +70,7 @@ def online_hidden_states(target, tokens: torch.Tensor, need_input: bool,
                           f"exactly up to {limit} (max_position_embeddings or sliding window): lower --max-len "
                           "when distilling")
     with torch.inference_mode(), torch.autocast(tokens.device.type, enabled=False):
-        last_input, last_hidden = target_hidden_states(target, tokens)
+        last_input, last_hidden = target_hidden_states(target, tokens, capture_layers)
     fresh = (lambda x, needed: x.to(torch.float32, copy=True) if needed else None)
     return fresh(last_input, need_input), fresh(last_hidden, need_last)
 

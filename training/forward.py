@@ -20,6 +20,7 @@ from training.batches import Batch
 
 def compute_h0(drafter: Drafter, target, batch: Batch) -> torch.Tensor:
     """h0 ``[B, T, H]``: the Augmenting Block over the whole (causal) sequence, else the last hidden state.
+    The block reads ``batch.x_in``: the last layer's input, or the heads' multi-layer features fused.
 
     Clover-2's block runs in ``draft_prefill`` at inference, on the last hidden state and the token after
     each position: here the same call over the whole sequence (a padded last position reads token 0; it
@@ -29,7 +30,7 @@ def compute_h0(drafter: Drafter, target, batch: Batch) -> torch.Tensor:
         return _clover2_states(drafter, target, batch)
     if drafter.augment is None:
         return batch.x_last
-    x = batch.x_in
+    x = drafter.augment_input(batch.x_in)
     bsz, length, _ = x.shape
     cfg = target.config
     position_ids = torch.arange(length, device=x.device).expand(bsz, -1)

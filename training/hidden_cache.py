@@ -55,12 +55,14 @@ def _write_json_atomic(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-def target_hidden_states(target, input_ids):
+def target_hidden_states(target, input_ids, capture_layers=()):
     """(last_layer_input, last_hidden) ``[B, T, H]`` of one causal pass with no cache.
 
     The same arithmetic as :meth:`clover.target.LlamaTarget.forward` (layer by
     layer, the packed causal mask, empty caches) without the LM head, whose
-    ``[B, T, V]`` logits the cache never needs.
+    ``[B, T, V]`` logits the cache never needs. With ``capture_layers`` (the heads'
+    ``feature_layers``) the first result is instead the inputs of those layers
+    concatenated, ``[B, T, k*H]``: the Augmenting Block's multi-layer features.
     """
     import torch
 
@@ -76,10 +78,12 @@ def target_hidden_states(target, input_ids):
     dtype = target.embed_tokens.weight.dtype
     empty = torch.zeros(batch, cfg.num_kv_heads, 0, cfg.head_dim, dtype=dtype, device=device)
     x = target.embed_tokens(input_ids)
-    last_input = x
-    for layer in target.layers:
-        last_input = x
+    last_input, captured = x, {}
+    for i, layer in enumerate(target.layers):
+        last_input = captured[i] = x
         x, _, _ = layer(x, cos, sin, past, mask, empty, empty)
+    if capture_layers:
+        return torch.cat([captured[i] for i in capture_layers], dim=-1), x
     return last_input, x
 
 
@@ -393,10 +397,12 @@ class LiveFeatures(_ConversationSource):
     is read about once (docs in training/README.md#hidden-state-cache).
     """
 
-    def __init__(self, records: list[dict], target, max_len: int = 1024, source: str = "") -> None:
+    def __init__(self, records: list[dict], target, max_len: int = 1024, source: str = "",
+                 capture_layers=()) -> None:
         from clover.target import target_fingerprint
 
         self.target, self.max_len, self.directory = target, max_len, Path(source or "live")
+        self.capture_layers = tuple(capture_layers)  # multi-layer features: "last_layer_input" holds them
         self.conversations = plan_layout(records, max_len)
         self.records = {r["id"]: r for r in records}
         self.index = {"num_tokens": sum(c["length"] for c in self.conversations), "hidden_size": target.config.hidden_size,
@@ -414,7 +420,8 @@ class LiveFeatures(_ConversationSource):
 
         conv = self.tokens(i)
         with torch.inference_mode():
-            last_input, last_hidden = target_hidden_states(self.target, torch.from_numpy(conv["tokens"]).long()[None])
+            last_input, last_hidden = target_hidden_states(self.target, torch.from_numpy(conv["tokens"]).long()[None],
+                                                           self.capture_layers)
         return {"last_layer_input": last_input[0].float().numpy(), "last_hidden": last_hidden[0].float().numpy(),
                 **conv}
 
@@ -444,15 +451,23 @@ class ConcatCache(_ConversationSource):
             part.check_target(target)
 
 
-def open_training_data(spec: str, target=None, max_len: int = 1024):
-    """``train.py --cache``: comma-separated cache directories and/or distilled ``.jsonl`` files (on the fly)."""
+def open_training_data(spec: str, target=None, max_len: int = 1024, capture_layers=(), tokens_only: bool = False):
+    """``train.py --cache``: comma-separated cache directories and/or distilled ``.jsonl`` files (on the fly).
+
+    ``capture_layers``: the heads' multi-layer features, which a cache directory does not store (it keeps the last
+    layer's input), unless only its tokens are read (``tokens_only``: ``--features online``)."""
+    from clover.config import ConfigError
     from training.distill import read_jsonl
 
     parts = []
     for item in (s.strip() for s in str(spec).split(",")):
         if item.endswith(".jsonl"):
-            parts.append(LiveFeatures(read_jsonl(item), target, max_len=max_len, source=item))
+            parts.append(LiveFeatures(read_jsonl(item), target, max_len=max_len, source=item,
+                                      capture_layers=capture_layers))
         elif item:
+            if capture_layers and not tokens_only:
+                raise ConfigError(f"{item}: a hidden-state cache holds the last layer's input only; multi-layer "
+                                  "features need --features online or a distilled .jsonl (computed on the fly)")
             parts.append(HiddenCache(item))
     if not parts:
         raise FileNotFoundError(f"no training data in {spec!r}")

@@ -72,7 +72,8 @@ from torch import nn
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clover.config import DRAFTER_METHODS, TOKEN_PATHS, ConfigError, DrafterConfig  # noqa: E402
+from clover.config import (DRAFTER_METHODS, TOKEN_PATHS, ConfigError, DrafterConfig,  # noqa: E402
+                           resolve_feature_layers)
 from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, calibrate_token_scale, load_drafter,  # noqa: E402
                              read_draft_vocab, save_drafter, set_draft_vocab)
 from training.batches import Batch, assistant_tokens, collate, plan_digest, plan_epochs  # noqa: E402
@@ -134,6 +135,7 @@ class TrainConfig:
     draft_vocab_size: int = 16384         # V': that many most frequent ids of it
     init: str | None = None               # heads directory to start from (fine-tuning) instead of a fresh init
     token_path: str = "residual"          # how the regressive step mixes in its token (DrafterConfig.token_path)
+    feature_layers: str | None = None     # multi-layer features: "eagle3" or "l1,l2,..." (DrafterConfig.feature_layers)
 
     # fields that may differ between a run and its resumption (none changes the weights beyond float rounding)
     RESUME_FREE = ("save_every", "save_minutes", "log_every", "device", "threads", "progress", "output", "cache", "target",
@@ -155,6 +157,8 @@ class TrainConfig:
             del key["token_path"]
         if not self.topk_weight:  # likewise for runs from before --topk-weight
             del key["topk_weight"], key["topk_tokens"]
+        if not self.feature_layers:  # likewise for runs from before --feature-layers
+            del key["feature_layers"]
         return key
 
 
@@ -181,7 +185,8 @@ def build_drafter(cfg: TrainConfig, target) -> Drafter:
     config = DrafterConfig(method=cfg.method, num_heads=cfg.num_heads, hidden_size=tc.hidden_size,
                            vocab_size=tc.vocab_size, target_num_layers=tc.num_layers,
                            num_attention_heads=decoder_heads, init_noise_std=cfg.init_noise_std,
-                           target_architecture=tc.architecture, token_path=cfg.token_path)
+                           target_architecture=tc.architecture, token_path=cfg.token_path,
+                           feature_layers=resolve_feature_layers(cfg.feature_layers, tc.num_layers))
     drafter = Drafter.from_target(config, target, seed=cfg.seed).float()
     if cfg.init:
         _load_init_weights(drafter, cfg.init, target)
@@ -335,7 +340,7 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
         directory = resolve_target(cfg.target)
         target = load_target(directory, dtype=online_target_dtype(cfg.target_dtype, device, stored_dtype(directory))
                              if online else torch.float32)
-    cache = open_training_data(cfg.cache, target)
+    cache = open_training_data(cfg.cache, target, capture_layers=_capture_layers(cfg, target), tokens_only=online)
     cache.check_target(target)
     if online:  # the frozen target runs in the step: on this rank's device (a no-op for a target loaded above)
         dtype = online_target_dtype(cfg.target_dtype, device, target.lm_head.weight.dtype)
@@ -364,6 +369,11 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
         summary = _summary(cfg, cache, plan, progress, device, out / LOG_FILE, dist.world_size)
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return dist.broadcast(summary)
+
+
+def _capture_layers(cfg: TrainConfig, target) -> tuple[int, ...]:
+    """The target layers whose inputs the heads read (multi-layer features); () for the last layer's input."""
+    return tuple(resolve_feature_layers(cfg.feature_layers, target.config.num_layers) or ())
 
 
 def _root_state_sample(cache, conversations: int = 8) -> torch.Tensor:
@@ -431,6 +441,7 @@ class _Feeder:
         self.need_input = trainer.drafter.augment is not None  # the Augmenting Block runs on the last layer's input
         self.need_last = not self.need_input or cfg.needs_target_hidden
         self.online = cfg.features == "online"
+        self.capture_layers = _capture_layers(cfg, trainer.target)
 
     def micro_batches(self, indices: list[int]) -> list[Batch]:
         read = not self.online
@@ -440,7 +451,8 @@ class _Feeder:
     def prepare(self, batch: Batch) -> Batch:
         if not self.online:
             return batch
-        x_in, x_last = online_hidden_states(self.trainer.target, batch.tokens, self.need_input, self.need_last)
+        x_in, x_last = online_hidden_states(self.trainer.target, batch.tokens, self.need_input, self.need_last,
+                                            self.capture_layers)
         return dataclasses.replace(batch, x_in=x_in, x_last=x_last)
 
 
@@ -457,7 +469,8 @@ class _LearningCurve:
         self.cfg, self.trainer, self.out, self.path = cfg, trainer, out, out / EVAL_LOG_FILE
         self.epoch_of_end = {end: epoch + 1 for epoch, end in enumerate(epoch_ends)} if cfg.eval_epochs else {}
         wanted = cfg.eval_cache and (cfg.eval_every > 0 or cfg.eval_epochs) and trainer.dist.is_main
-        self.cache = open_training_data(cfg.eval_cache, trainer.target) if wanted else None
+        self.cache = open_training_data(cfg.eval_cache, trainer.target, capture_layers=_capture_layers(
+            cfg, trainer.target)) if wanted else None
 
     def _due(self, step: int, total_steps: int) -> bool:
         every = self.cfg.eval_every > 0 and (step % self.cfg.eval_every == 0 or step == total_steps)
@@ -529,6 +542,33 @@ def _epoch_choice(eval_log: Path) -> dict:
     return {"eval_loss_by_epoch": epochs, "best_epoch": min(epochs, key=epochs.get)}
 
 
+def _add_head_options(parser: argparse.ArgumentParser, fields: dict) -> None:
+    """The options that shape the heads themselves: vocabulary, starting weights, token path, features."""
+    parser.add_argument("--draft-vocab", metavar="DIR", default=None,
+                        help="score only a draft vocabulary V' in the heads' LM head, as the engine's draft step "
+                             "does (FR-Spec): the --draft-vocab-size most frequent ids of DIR's "
+                             "draft_vocab.safetensors (training/draft_vocab.py writes one). The soft label is then "
+                             "the target's distribution over V'; about V/V' times less LM-head work per step. "
+                             "The heads are saved with that vocabulary. Default: the full vocabulary")
+    parser.add_argument("--draft-vocab-size", type=int, default=fields["draft_vocab_size"].default,
+                        help="V' with --draft-vocab (default %(default)s)")
+    parser.add_argument("--init", metavar="DIR", default=None,
+                        help="start from these trained heads (a directory save_drafter or a run wrote, e.g. "
+                             "clover/assets/smollm2-135m-instruct/clover) instead of a fresh initialisation: "
+                             "fine-tuning on new data. Same method and number of heads; the run's own "
+                             "--draft-vocab applies. Default: a fresh initialisation")
+    parser.add_argument("--token-path", choices=TOKEN_PATHS, default="residual",
+                        help="how the regressive step mixes its given token into the state (docs/drafter.md#token-"
+                             "path): residual (the paper's: h + gate * Wv e, e unit-norm), normed (the same on the "
+                             "RMS-normalised state, e at RMS 1), scaled (residual with e times a learned scalar "
+                             "initialised to the median root-state norm), concat (EAGLE-style FC([norm(h); e]))")
+    parser.add_argument("--feature-layers", default=None, metavar="eagle3|L1,L2,...",
+                        help="multi-layer features (EAGLE-3; docs/drafter.md#multi-layer-features): the Augmenting "
+                             "Block reads a learned fusion of these target layers' inputs instead of the last "
+                             "layer's input alone; eagle3: a low, a middle and the last layer. Needs --features "
+                             "online or a .jsonl --cache; engines: torch backend only for now")
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
@@ -576,24 +616,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--grad-checkpoint", action="store_true",
                         help="recompute the Augmenting Block in the backward pass instead of storing its "
                              "activations (less memory, one more block forward)")
-    parser.add_argument("--draft-vocab", metavar="DIR", default=None,
-                        help="score only a draft vocabulary V' in the heads' LM head, as the engine's draft step "
-                             "does (FR-Spec): the --draft-vocab-size most frequent ids of DIR's "
-                             "draft_vocab.safetensors (training/draft_vocab.py writes one). The soft label is then "
-                             "the target's distribution over V'; about V/V' times less LM-head work per step. "
-                             "The heads are saved with that vocabulary. Default: the full vocabulary")
-    parser.add_argument("--draft-vocab-size", type=int, default=fields["draft_vocab_size"].default,
-                        help="V' with --draft-vocab (default %(default)s)")
-    parser.add_argument("--init", metavar="DIR", default=None,
-                        help="start from these trained heads (a directory save_drafter or a run wrote, e.g. "
-                             "clover/assets/smollm2-135m-instruct/clover) instead of a fresh initialisation: "
-                             "fine-tuning on new data. Same method and number of heads; the run's own "
-                             "--draft-vocab applies. Default: a fresh initialisation")
-    parser.add_argument("--token-path", choices=TOKEN_PATHS, default="residual",
-                        help="how the regressive step mixes its given token into the state (docs/drafter.md#token-"
-                             "path): residual (the paper's: h + gate * Wv e, e unit-norm), normed (the same on the "
-                             "RMS-normalised state, e at RMS 1), scaled (residual with e times a learned scalar "
-                             "initialised to the median root-state norm), concat (EAGLE-style FC([norm(h); e]))")
+    _add_head_options(parser, fields)
     parser.add_argument("--no-progress", action="store_true")
     if known.config:
         defaults = json.loads(Path(known.config).read_text())
