@@ -9,7 +9,7 @@ Measures, interleaved and repeated:
 
 Usage::
 
-    python benchmarks/engine_speed.py --output results/engine_speed.json
+    python benchmarks/engine_speed.py --output docs/results/engine_speed.json
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--engine-dir", default="engines/demo-vanilla", help="vanilla-only demo engine (built if missing)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians and ranges are reported")
-    p.add_argument("--output", type=Path, default=Path("results/engine_speed.json"))
+    p.add_argument("--output", type=Path, default=Path("docs/results/engine_speed.json"))
     args = p.parse_args()
 
     from transformers import AutoModelForCausalLM

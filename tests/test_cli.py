@@ -82,9 +82,17 @@ def test_prompt_streams_text(tmp_path, tiny_checkpoint, capsys):
     captured = capsys.readouterr()
     assert captured.out == rows[0]["text"] + "\n"
     said = captured.err.splitlines()
+    totals = next(i for i, line in enumerate(said) if line.startswith("[clover] clover: "))
     assert re.fullmatch(r"\[clover\] clover: \d+ tokens in [\d.]+ s \([\d.]+ tok/s, [\d.]+ tokens/step, acceptance "
-                        r"rate [\d.]+: \d+ of \d+ draft tokens accepted\)", said[-2]), said
-    assert "--method vanilla" in said[-1]  # how to compare
+                        r"rate [\d.]+: \d+ of \d+ draft tokens accepted\)", said[totals]), said
+    # then the comparison with vanilla that clover serve --demo prints too (clover.speed_report)
+    assert re.fullmatch(r"\[clover\] \[clover [\d.]+ tok/s, [\d.]+ tokens/step, acceptance rate [\d.]+ \| vanilla "
+                        r"[\d.]+ tok/s \| x[\d.]+ \| same text: yes\]", said[totals + 2]), said
+    assert "python -m clover.bench" in said[-1]
+    assert main(["generate", "--target", str(tiny_checkpoint), "--prompt", "hello there", "--max-new-tokens", "20",
+                 "--method", "clover", "--no-compare"]) == 0
+    said = capsys.readouterr().err.splitlines()
+    assert "--compare" in said[-1] and "vanilla" in said[-1]  # how to compare
     assert main(["generate", "--target", str(tiny_checkpoint), "--prompt", "hello there", "--max-new-tokens", "20",
                  "--method", "vanilla"]) == 0
     said = capsys.readouterr().err.splitlines()
@@ -171,3 +179,39 @@ def test_resolve_drafter_prefers_shipped_heads_on_the_demo_target(monkeypatch, t
     assert demo.resolve_drafter("runs/mine", "demo") == "runs/mine"
     with pytest.raises(FileNotFoundError, match="demo-clover, demo-medusa"):
         demo.resolve_drafter("demo-eagle", "demo")
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"clover {version('clover-decoding')}"
+
+
+def test_build_runs_export_build_engine_with_its_own_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["build", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: clover build") and "--target-weights" in text and "--recalibrate" in text
+    with pytest.raises(SystemExit) as exit_info:
+        main(["build", "--target", "demo"])  # its parser's own check
+    assert exit_info.value.code == 2 and "--output" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # only build passes unknown options on
+        main(["client", "--no-such-option"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
+def _option_help(command: str, option: str, capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    block = re.search(rf"^  {re.escape(option)} \S+\n?(.*?)(?=^  -)", text, re.M | re.S).group(1)
+    return " ".join(block.split())
+
+
+def test_generate_and_serve_describe_the_tree_budget_alike(capsys):
+    generate, serve = _option_help("generate", "--tree-budget", capsys), _option_help("serve", "--tree-budget", capsys)
+    assert generate == serve and "engine's tree defaults" in generate, (generate, serve)

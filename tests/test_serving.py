@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -418,13 +419,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_clover_serve_prints_endpoints_and_ctrl_c_shuts_down_cleanly(install, tiny_engine_dir, reference):
+def test_clover_serve_prints_endpoints_and_ctrl_c_shuts_down_cleanly(install, tiny_engine_dir, reference, tmp_path):
     ports = [free_port() for _ in range(3)]
     shm_before = shm_regions()
     cmd = [sys.executable, "-m", "clover.cli", "serve", "--engine", str(tiny_engine_dir), "--host", "127.0.0.1",
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
            "--threads", "1", "--startup-timeout", str(STARTUP_S)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # the default server log goes to the temp directory: the test's own, so the suite leaves nothing in /tmp
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
     lines: list[str] = []
     reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
     reader.start()
@@ -459,6 +462,8 @@ def test_clover_serve_prints_endpoints_and_ctrl_c_shuts_down_cleanly(install, ti
         reader.join(5)
         output = "".join(lines)
         assert "stopped (exit code 0)" in output, output
+        log = Path(re.search(r"server log: (\S+)", output).group(1))
+        assert log.parent == tmp_path and "Started GRPCInferenceService" in log.read_text(), output
         assert not _alive(triton_pid) and not any(_alive(p) for p in stubs)
         assert not (shm_regions() - shm_before), "shared-memory regions left in /dev/shm"
     finally:
@@ -473,7 +478,6 @@ def test_clover_serve_prints_endpoints_and_ctrl_c_shuts_down_cleanly(install, ti
 def test_demo_end_to_end(install, tmp_path_factory):
     """The whole demo path on the real SmolLM2 engine: build (if needed), serve, stream, compare with vanilla."""
     import io
-    from pathlib import Path
 
     from clover.serving.launch import DEMO_PROMPTS, run_demo
 
@@ -483,5 +487,7 @@ def test_demo_end_to_end(install, tmp_path_factory):
     code = run_demo(engine, prompts=DEMO_PROMPTS[:2], max_tokens=32, startup_timeout_s=STARTUP_S, out=out)
     text = out.getvalue()
     assert code == 0, text
-    assert text.count("same text: yes") == 2 and "identical text: yes" in text
-    assert "acceptance rate" in text and "tok/s" in text
+    assert text.count("same text: yes") == 3, text  # each prompt, and both together
+    assert "acceptance rate" in text and "tok/s" in text and "tokens/step" in text
+    assert re.search(r"2 prompts through Triton .*\| x\d+\.\d\d \| same text: yes\]", text), text
+    assert "python -m clover.bench" in text  # where real numbers come from

@@ -651,6 +651,19 @@ def test_serve_without_an_engine_says_how_to_build_one(tmp_path, capsys):
     assert "no engine at" in err and "export/build_engine.py --output" in err
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_client_without_a_server_says_to_start_one(protocol, capsys):
+    from clover.cli import main
+    from clover.serving.server import free_port
+
+    if protocol == "grpc":
+        pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed: pip install -e '.[serve]'")
+    url = f"127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["client", "--protocol", protocol, "--url", url, "--prompt", "hi", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"nothing listens at {url}; start the server first" in err and "clover serve" in err, err
+
+
 def test_serve_and_client_help(capsys):
     from clover.cli import main
 

@@ -17,6 +17,8 @@ decoding stays lossless; the target graph is not touched.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -73,9 +75,10 @@ def quantize_draft_step(path: str | Path) -> dict:
         quantized.parent.mkdir()
         # DefaultTensorType: where shape inference cannot type a MatMul's output (after onnxruntime's own
         # RotaryEmbedding op, in Clover-2's draft_prefill graph: benchmarks/draft_prefill_int8.py) it is float
-        quantize_dynamic(str(folded), str(quantized), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul"], use_external_data_format=True,
-                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        with _without_preprocessing_advice():
+            quantize_dynamic(str(folded), str(quantized), weight_type=QuantType.QInt8, per_channel=True,
+                             op_types_to_quantize=["MatMul"], use_external_data_format=True,
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         count = sum(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul")
                     for n in onnx.load(str(quantized), load_external_data=False).graph.node)
         if not count:
@@ -86,3 +89,24 @@ def quantize_draft_step(path: str | Path) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     size = path.stat().st_size + (path.parent / (path.name + ".data")).stat().st_size
     return {"method": "onnxruntime dynamic int8, per channel", "quantized_matmuls": count, "bytes": size}
+
+
+# the start of what quantize_dynamic logs (through the root logger) for a model without its pre-processing metadata
+PREPROCESSING_ADVICE = "Please consider to run pre-processing before quantization"
+
+
+@contextlib.contextmanager
+def _without_preprocessing_advice():
+    """Drop onnxruntime's advice to pre-process the model while quantizing. Its pre-processing (symbolic shape
+    inference and graph optimisation for quantization) does not apply to the draft step: every MatMul weight
+    is an initializer already (fold_weight_transposes), and quantize_draft_step checks that they were
+    quantized, so the line printed during every engine build only looked like a fault."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(PREPROCESSING_ADVICE)
+
+    root = logging.getLogger()
+    root.addFilter(keep)
+    try:
+        yield
+    finally:
+        root.removeFilter(keep)

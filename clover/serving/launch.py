@@ -10,8 +10,9 @@ supervisor restarts it.
 
 :func:`run_demo` is the whole path on one machine: build the demo engine if it
 is missing, start the server, stream answers to a few prompts through
-tritonclient, compare acceptance rate and tokens/s against vanilla decoding on
-the same engine (a second model in the same server), and stop the server.
+tritonclient, compare each answer's tokens/step and speed with vanilla decoding
+on the same engine (a second model in the same server) as ``clover generate``
+does (:mod:`clover.speed_report`), and stop the server.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ HEALTH_POLL_S = 0.5
 # seconds the OpenAI frontend's drain outlasts the model's: the model ends each request with its final response
 FRONTEND_DRAIN_MARGIN_S = 2.0
 
+# one answer of each kind (docs/results/cpu-speed.md#reading-the-numbers): one that copies its prompt, which the
+# drafts guess well, and one of new prose, which they rarely guess
 DEMO_PROMPTS = (
-    "Explain speculative decoding in two sentences.",
-    "Write a Python function that checks whether a number is prime.",
-    "What is the capital of France? Answer briefly.",
+    "Copy this list, one item per line: apples, bananas, cherries, dates, elderberries, figs, grapes, honeydew, "
+    "kiwis, lemons, mangoes, nectarines, oranges, papayas, quinces, raspberries.",
+    "Tell me a story about a dragon.",
 )
 
 
@@ -227,8 +230,6 @@ def ensure_demo_engine(engine: str | Path | None = None, out: TextIO = sys.stdou
 def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens: int = 96,
              startup_timeout_s: float = 600.0, out: TextIO = sys.stdout) -> int:
     """Build (if needed) and serve the demo engine, stream answers, compare with vanilla, stop."""
-    from clover.client import GrpcClient, collect
-
     engine_dir = ensure_demo_engine(engine, out)
     workdir = Path(tempfile.mkdtemp(prefix="clover-demo-"))
     try:
@@ -242,48 +243,10 @@ def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens:
             server.start().wait_ready(startup_timeout_s)
             print(f"[clover] ready in {time.perf_counter() - start:.0f} s: gRPC {server.grpc_url}, "
                   f"HTTP {server.http_url}, metrics {server.metrics_url}", file=out, flush=True)
-            rows = []
-            with GrpcClient(server.grpc_url, MODEL_NAME) as fast, \
-                    GrpcClient(server.grpc_url, f"{MODEL_NAME}_vanilla") as plain:
-                for client in (fast, plain):  # warm-up
-                    client.generate("Hi", 4)
-                for prompt in prompts:
-                    print(f"\n>>> {prompt}", file=out, flush=True)
-                    begin = time.perf_counter()
-
-                    def shown(chunks):
-                        for chunk in chunks:
-                            out.write(chunk.text)
-                            out.flush()
-                            yield chunk
-
-                    clover = collect(shown(fast.stream(prompt, max_tokens)), begin)
-                    vanilla = plain.generate(prompt, max_tokens)
-                    out.write("\n")
-                    rows.append((clover, vanilla))
-                    perf = clover.perf or {}
-                    print(f"[clover {clover.tokens_per_second:5.1f} tok/s, acceptance rate "
-                          f"{perf.get('acceptance_rate', 0.0):.2f}, "
-                          f"{clover.tokens_per_step:.2f} tokens/step | vanilla "
-                          f"{vanilla.tokens_per_second:5.1f} tok/s | same text: "
-                          f"{'yes' if clover.text == vanilla.text else 'NO'}]", file=out, flush=True)
-            c_tokens = sum(len(c.token_ids) for c, _ in rows)
-            v_tokens = sum(len(v.token_ids) for _, v in rows)
-            c_time = sum(c.seconds for c, _ in rows)
-            v_time = sum(v.seconds for _, v in rows)
-            accepted = sum((c.perf or {}).get("total_accepted_draft_tokens", 0) for c, _ in rows)
-            drafted = sum((c.perf or {}).get("total_draft_tokens", 0) for c, _ in rows)
-            same = all(c.text == v.text for c, v in rows)
-            print(f"\n[clover] {len(rows)} prompts through Triton (gRPC streaming): clover "
-                  f"{c_tokens / c_time:.1f} tok/s, vanilla {v_tokens / v_time:.1f} tok/s on the same engine "
-                  f"(x{(c_tokens / c_time) / (v_tokens / v_time):.2f}); acceptance rate "
-                  f"{accepted / drafted if drafted else 0:.2f}; identical text: {'yes' if same else 'NO'}",
-                  file=out, flush=True)
-            note = _speed_note(engine_dir, (c_tokens / c_time) / (v_tokens / v_time))
-            if note:
-                print(f"[clover] {note}", file=out, flush=True)
+            rows = _demo_answers(server, prompts, max_tokens, out)
+            _print_speed_report(rows, engine_dir, out)
             print("[clover] stopping the server", file=out, flush=True)
-        return 0 if same else 1
+        return 0 if all(row.same_text for row in rows) else 1
     except ServerError as exc:
         print(f"clover: error: {exc}", file=sys.stderr)
         return 1
@@ -294,19 +257,47 @@ def run_demo(engine: str | Path | None = None, prompts=DEMO_PROMPTS, max_tokens:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _speed_note(engine_dir: Path, ratio: float) -> str | None:
-    """Why speculation did not pay, where it did not: untrained heads only when the engine has them."""
-    from clover.engine_dir import read_engine_meta
+def _demo_answers(server: TritonServer, prompts, max_tokens: int, out: TextIO) -> list:
+    """Each prompt streamed from the Clover model, then decoded whole by the vanilla one: a PromptSpeed each."""
+    from clover.client import GrpcClient, collect
+    from clover.speed_report import PromptSpeed, prompt_line, reason
 
-    if ratio >= 1.0:
-        return None
-    meta = read_engine_meta(engine_dir)
-    if meta.drafter_config is not None and meta.source.get("drafter") is None:
-        return ("this engine's draft heads are untrained (initialised from the target): speculative steps cost "
-                "more than they save; trained heads (--drafter for export/build_engine.py) give the speed-up")
-    if meta.cost_model is None:
-        return ("this engine has no cost model, so every step drafts a full tree; rebuild it with calibration "
-                "(the default) or run export/build_engine.py --recalibrate, and decoding falls back to vanilla "
-                "steps where drafting does not pay")
-    return ("speculation did not pay on this machine for these answers (see docs/results/README.md for the "
-            "measured step costs and tokens/step)")
+    rows = []
+    with GrpcClient(server.grpc_url, MODEL_NAME) as fast, GrpcClient(server.grpc_url, f"{MODEL_NAME}_vanilla") as plain:
+        for client in (fast, plain):  # warm-up
+            client.generate("Hi", 4)
+        for prompt in prompts:
+            print(f"\n>>> {prompt}", file=out, flush=True)
+            begin = time.perf_counter()
+
+            def shown(chunks):
+                for chunk in chunks:
+                    out.write(chunk.text)
+                    out.flush()
+                    yield chunk
+
+            clover = collect(shown(fast.stream(prompt, max_tokens)), begin)
+            vanilla = plain.generate(prompt, max_tokens)
+            out.write("\n")
+            speed = PromptSpeed(len(clover.token_ids), clover.seconds, clover.tokens_per_step,
+                                (clover.perf or {}).get("acceptance_rate", 0.0), len(vanilla.token_ids),
+                                vanilla.seconds, clover.text == vanilla.text)
+            rows.append(speed)
+            print(prompt_line(speed), file=out, flush=True)
+            why = reason(speed)
+            if why:
+                print(f"  why: {why}", file=out, flush=True)
+    return rows
+
+
+def _print_speed_report(rows: list, engine_dir: Path, out: TextIO) -> None:
+    """All prompts together, what this engine changes about them, and where real numbers come from."""
+    from clover.engine_dir import read_engine_meta
+    from clover.speed_report import BENCH_POINTER, combined, engine_note, prompt_line
+
+    total = combined(rows)
+    print(f"\n[clover] {len(rows)} prompts through Triton (gRPC streaming), on the same engine: "
+          f"{prompt_line(total)}", file=out, flush=True)
+    note = engine_note(read_engine_meta(engine_dir)) if total.speedup < 1.0 else None
+    for line in ([note] if note else []) + [BENCH_POINTER]:
+        print(f"[clover] {line}", file=out, flush=True)
