@@ -72,7 +72,7 @@ def add_generate_parser(subparsers) -> None:
                         "default: whenever the engine has one; --no-adaptive keeps --tree-budget fixed")
     p.add_argument("--backend", choices=["auto", "onnxruntime", "torch"], default="auto",
                    help="auto: the --engine if given; on the demo target with its shipped Clover heads, the demo "
-                        "onnxruntime engine (built once into engines/demo, about a minute); else torch. torch: the "
+                        "onnxruntime engine (built once into engines/demo: minutes); else torch. torch: the "
                         "reference path on --target/--drafter")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (tree speculative sampling)")
     p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0: off)")
@@ -319,7 +319,8 @@ def add_serve_parser(subparsers) -> None:
                    "default: a new clover-serve-<time>-<pid>.log in the temp directory, named at startup; "
                    "'-': the terminal")
     p.add_argument("--demo", action="store_true", help="the end-to-end demo instead: build the demo engine if missing, "
-                   "start the server, stream answers to a few prompts, compare with vanilla, stop")
+                   "start the server, stream answers to two prompts (one copied, one new prose), report each one's "
+                        "tokens/step and speed-up against vanilla as clover generate does, stop")
     p.add_argument("--max-tokens", type=_positive, default=96, help="with --demo: new tokens per answer")
     p.add_argument("--openai-port", type=int, default=None,
                    help="also serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) "

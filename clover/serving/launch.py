@@ -129,7 +129,8 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                     # response, which the frontend still forwards (its open streams end with data: [DONE])
                     server.request_drain()
                 if frontend is not None:
-                    print(f"[clover] stopped the OpenAI frontend (exit code {frontend.stop()})", file=out, flush=True)
+                    print(f"[clover] stopped the OpenAI frontend (exit code {_shown(frontend.stop())})", file=out,
+                          flush=True)
                 code = server.stop() if server is not None else 0
                 return _report_stop(code, log_file, out)
     except ServerError as exc:
@@ -146,7 +147,7 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
 def _report_stop(code: int | None, log_file: Path | None, out: TextIO) -> int:
     """Say how tritonserver stopped; clover serve's exit code: 0 only for a known clean exit, so a supervisor
     restarts it after anything else (an exit code that could not be learnt included)."""
-    shown = "unknown" if code is None else code
+    shown = _shown(code)
     print(f"[clover] stopped (exit code {shown})", file=out, flush=True)
     if code == 0:
         return 0
@@ -154,6 +155,10 @@ def _report_stop(code: int | None, log_file: Path | None, out: TextIO) -> int:
     print(f"clover: error: tritonserver did not exit cleanly (exit code {shown}); see its log{where}",
           file=sys.stderr, flush=True)
     return 1
+
+
+def _shown(code: int | None) -> str:
+    return "unknown" if code is None else str(code)
 
 
 def default_log_file() -> Path:
