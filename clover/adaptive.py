@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import statistics
 import time
 from typing import Iterable, Sequence
@@ -82,9 +83,12 @@ class CostModel(JsonMixin):
     draft: list[list[float]] = dataclasses.field(default_factory=list)
     source: str = ""  # what was measured (engine, machine), for reports
     draft_prefill: list[list[float]] = dataclasses.field(default_factory=list)
+    # trees of several sequences, where an engine runs them apart from everything else (a gqa engine's
+    # target_batched.onnx: docs/engine-contract.md#in-place-kv); empty: ``target`` prices them too
+    target_batched: list[list[float]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in ("target", "draft", "draft_prefill"):
+        for name in ("target", "draft", "draft_prefill", "target_batched"):
             points = [[float(x), float(y)] for x, y in getattr(self, name)]
             if any(x <= 0 or y < 0 for x, y in points):
                 raise ConfigError(f"cost model {name}: token counts must be > 0 and seconds >= 0")
@@ -95,6 +99,13 @@ class CostModel(JsonMixin):
     def target_time(self, tokens_in_flight: float) -> float:
         """Seconds of one target pass over ``tokens_in_flight`` new tokens (all sequences together)."""
         return _interpolate(self.target, tokens_in_flight)
+
+    def pass_time(self, batch: int, tokens: float) -> float:
+        """Seconds of one target pass of ``batch`` sequences of ``tokens`` new tokens each: trees of several
+        sequences on their own curve where the engine measured one (``target_batched``)."""
+        if batch > 1 and tokens > 1 and self.target_batched:
+            return _interpolate(self.target_batched, batch * tokens)
+        return self.target_time(batch * tokens)
 
     def draft_step_time(self, nodes: float) -> float:
         """Seconds of one draft step over ``nodes`` frontier nodes."""
@@ -125,7 +136,7 @@ class CostModel(JsonMixin):
         sequence of the pass (the batch's widest tree, as every row is padded to it) when it is not ``1 + budget``
         (model-free candidates merged in, docs/trees.md#model-free-candidates)."""
         tokens = 1 + budget if tree_tokens is None else tree_tokens
-        return (self.target_time(batch * tokens) + self.draft_time(batch, budget, depth, top_k)
+        return (self.pass_time(batch, tokens) + self.draft_time(batch, budget, depth, top_k)
                 + self.draft_prefill_time(batch * tokens_per_step))
 
 
@@ -325,8 +336,8 @@ class AdaptiveBudget:
         sequence at the batch's widest tree, so what one more node per tree costs depends on the batch and the
         engine's pass curve (docs/trees.md#model-free-candidates)."""
         step = self.cost.step_time(batch, budget, self.acceptance.expected(budget), self.depth, self.top_k)
-        others = step - self.cost.target_time(batch * (1 + budget))  # drafting, Clover-2's draft prefill
-        return np.array([others + self.cost.target_time(batch * (1 + k)) for k in range(max_nodes + 1)])
+        others = step - self.cost.pass_time(batch, 1 + budget)  # drafting, Clover-2's draft prefill
+        return np.array([others + self.cost.pass_time(batch, 1 + k) for k in range(max_nodes + 1)])
 
     def observe(self, budget: int, accepted_per_sequence: Sequence[int]) -> None:
         """One step's accepted draft tokens per sequence at ``budget``."""
@@ -392,6 +403,8 @@ def calibrate(engine, max_tokens: int = 64, repeats: int = 5, past: int = 32, so
     jobs = {("target", n): job for n, job in _chain_jobs(
         engine.target, spec, spec.num_kv_layers, counts, past,
         lambda n: (torch.randint(0, spec.vocab_size, (1, n), generator=gen),))}
+    if getattr(engine, "runs_batched_trees_apart", False):
+        jobs.update({("target_batched", n): job for n, job in _batched_tree_jobs(engine, spec, counts, past, gen)})
     if spec.num_draft_heads:
         for n in counts:
             hidden = torch.randn(n, spec.hidden_size, generator=gen).to(spec.dtype)
@@ -402,10 +415,90 @@ def calibrate(engine, max_tokens: int = 64, repeats: int = 5, past: int = 32, so
             engine.draft_prefill, spec, spec.num_draft_kv_layers, counts, past,
             lambda n: (torch.randn(1, n, spec.hidden_size, generator=gen).to(spec.dtype),
                        torch.randint(0, spec.vocab_size, (1, n), generator=gen)))})
-    seconds = _median_seconds(jobs, repeats, spec.device)
-    points = {kind: [[n, t] for (k, n), t in seconds.items() if k == kind]
-              for kind in ("target", "draft", "draft_prefill")}
-    return CostModel(points["target"], points["draft"], source=source, draft_prefill=points["draft_prefill"])
+    seconds = _steady_seconds(jobs, repeats, spec.device)
+    points = {kind: monotone_fit([[n, t] for (k, n), t in sorted(seconds.items()) if k == kind])
+              for kind in ("target", "draft", "draft_prefill", "target_batched")}
+    return CostModel(points["target"], points["draft"], source=source, draft_prefill=points["draft_prefill"],
+                     target_batched=points["target_batched"])
+
+
+UNSTABLE = 1.1  # a point measured over 10% dearer than a larger one is noise (more work never costs less)
+
+
+def _steady_seconds(jobs: dict, repeats: int, device: str, retries: int = 2) -> dict:
+    """:func:`_median_seconds`, then the points that break monotonicity (a count timed over :data:`UNSTABLE`
+    times a larger one of the same kind) measured again, up to ``retries`` times, keeping each point's fastest
+    median: load on a shared machine only ever adds time (a new user's build once stored 2 target tokens at
+    63 ms, 4 at 50, 8 at 88, 16 at 76)."""
+    seconds = _median_seconds(jobs, repeats, device)
+    for _ in range(retries):
+        unstable = _unstable_points(seconds)
+        if not unstable:
+            break
+        again = _median_seconds({key: jobs[key] for key in unstable}, repeats, device)
+        seconds.update({key: min(seconds[key], t) for key, t in again.items()})
+    return seconds
+
+
+def _unstable_points(seconds: dict) -> set:
+    """Keys ``(kind, n)`` of each pair of points where the smaller count took over :data:`UNSTABLE` times longer."""
+    unstable = set()
+    for (kind, n), t in seconds.items():
+        for (other_kind, m), u in seconds.items():
+            if other_kind == kind and m > n and t > UNSTABLE * u:
+                unstable |= {(kind, n), (kind, m)}
+    return unstable
+
+
+def monotone_fit(points: list[list[float]]) -> list[list[float]]:
+    """``[x, seconds]`` points (sorted by x) made non-decreasing by pooling adjacent violators (isotonic
+    regression): a pair measured in the wrong order is replaced by its mean, rather than the noisy point
+    stretching the curve up to it."""
+    blocks: list[list[float]] = []  # [sum of seconds, count] per pooled run of points
+    for _, t in points:
+        blocks.append([t, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted = [mean for total, count in blocks for mean in [total / count] * count]
+    return [[x, t] for (x, _), t in zip(points, fitted)]
+
+
+def busy_machine_warning() -> str | None:
+    """A warning when the load average exceeds the cores (step times measured now would mislead the adaptive
+    chooser: docs/trees.md#adaptive-tree-budget), else None."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
+    cores = os.cpu_count() or 1
+    if load <= cores:
+        return None
+    return (f"the machine is busy (load average {load:.1f} on {cores} cores): step times measured now make the "
+            "adaptive tree budget misjudge what speculation costs here. Recalibrate when it is idle: "
+            "clover build --output ENGINE_DIR --recalibrate")
+
+
+def _batched_tree_jobs(engine, spec, counts: list[int], past: int, gen):
+    """``(n, job)`` per even n of ``counts``: one target pass of 2 sequences with n/2 new tokens each (a causal
+    chain) after ``past`` cached ones: how an engine that runs several sequences' trees apart prices them."""
+    from clover.attention import causal_packed_mask
+    from clover.kv_cache import KVCache
+
+    cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, past + max(counts), spec.dtype,
+                    capacity=2, device=spec.device)
+    cache.add_rows(2)
+    k_cache, v_cache = cache.views()
+    lengths = torch.tensor([past, past], dtype=torch.int32)
+    jobs = []
+    for n in (n for n in counts if n >= 2 and n % 2 == 0):
+        width = n // 2
+        ids = torch.randint(0, spec.vocab_size, (2, width), generator=gen)
+        positions = torch.arange(past, past + width).expand(2, -1).contiguous()
+        jobs.append((n, functools.partial(engine.target, ids, positions, lengths, causal_packed_mask(2, width),
+                                          k_cache, v_cache)))
+    return jobs
 
 
 def _chain_jobs(call, spec, num_layers: int, counts: list[int], past: int, first_inputs):

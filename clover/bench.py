@@ -26,6 +26,15 @@ Outputs in ``--output``: ``bench.json`` (every sample), ``bench.md`` (tables,
 ratios against the issue's aims, the hardware, the command) and one PNG per
 sweep. ``--quick`` runs small sweeps (a smoke test, not evidence).
 
+* ``peers`` (only when named in ``--sweeps``; optional extras ``bench`` and ``llamacpp``): the runtimes a CPU
+  user would compare, at batch 1 on the same prompt token ids and ``--threads``, interleaved: vanilla and the
+  ``clover generate`` defaults on the engine (and vanilla on any ``--vanilla-engine``), onnxruntime-genai
+  greedy on its model builder's CPU int4 graph of the engine's own target checkpoint (:mod:`clover.genai`), and
+  llama.cpp greedy on the demo GGUF. Each peer that is not installed is left out with a note.
+* ``passes`` (only when named in ``--sweeps``): one target pass of T = 1, 2, 4, 8, 16 new tokens after
+  ``--pass-past`` cached ones at batch 1, on the engine, each ``--vanilla-engine`` and the builder's graph
+  (``genai-graph``): where the decode speed comes from.
+
 * ``triton``: the real Triton server (one model per method on these engines,
   started for this sweep only), 1..32 concurrent gRPC streams
   (``--concurrency``), 2 requests per stream: output tokens/s, time to first
@@ -82,13 +91,17 @@ PROMPTS = [
     "Describe a peaceful morning in a small fishing village.",
 ]
 SWEEPS = ("batch", "budget", "heads", "hf", "triton")
-OPTIONAL_SWEEPS = ("llamacpp",)  # run only when named in --sweeps (llama-cpp-python is an optional extra)
+# run only when named in --sweeps (llama-cpp-python and onnxruntime-genai are optional extras)
+OPTIONAL_SWEEPS = ("llamacpp", "peers", "passes")
+PASS_TOKENS = (1, 2, 4, 8, 16)
 # what each sweep reports per configuration (median and min–max over repeats)
 METRICS = {"batch": ("tokens_per_s", "tokens_per_step", "target_ms", "draft_ms", "host_ms"),
            "budget": ("tokens_per_s", "tokens_per_step"),
            "heads": ("tokens_per_s", "tokens_per_step", "tree_depth"),
            "hf": ("tokens_per_s", "tokens_per_step"),
            "llamacpp": ("tokens_per_s", "tokens_per_step", "target_ms", "draft_ms", "host_ms"),
+           "peers": ("tokens_per_s", "tokens_per_step"),
+           "passes": ("target_ms",),
            "triton": ("tokens_per_s", "tokens_per_step", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
 METRIC_TITLES = {"tokens_per_s": "tokens/s", "tokens_per_step": "tokens/step",
                  "tree_depth": "tree depth reached (mean deepest level per step)",
@@ -97,7 +110,8 @@ METRIC_TITLES = {"tokens_per_s": "tokens/s", "tokens_per_step": "tokens/step",
                  "ttft_p50_ms": "time to first token p50 (ms)", "ttft_p99_ms": "time to first token p99 (ms)",
                  "itl_p50_ms": "inter-token latency p50 (ms)", "itl_p99_ms": "inter-token latency p99 (ms)"}
 X_LABELS = {"batch": "batch size", "budget": "tree budget (draft nodes)", "heads": "heads used (tree depth)",
-            "hf": "batch", "triton": "concurrent streams", "llamacpp": "batch"}
+            "hf": "batch", "triton": "concurrent streams", "llamacpp": "batch", "peers": "batch",
+            "passes": "new tokens in the pass (T)"}
 
 
 @dataclasses.dataclass
@@ -456,8 +470,9 @@ def measure_sweeps(configs: dict[str, list[Config]], repeats: int, max_new: int,
 
 
 def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] = (),
-                  extra_engines: dict[str, str] | None = None) -> dict[str, list[Config]]:
-    """The configurations of every sweep; ``extra_engines`` maps a label to its decode method.
+                  extra_engines: dict[str, str] | None = None, peers=(), passes=()) -> dict[str, list[Config]]:
+    """The configurations of every sweep; ``extra_engines`` maps a label to its decode method; ``peers`` /
+    ``passes`` name the peer runtimes' decode and pass lines that can run here (:func:`_load_peers`).
 
     The ``clover`` lines run the main engine's own method (``clover``, or ``clover2`` for Clover-2 heads) with the
     heads alone (proposer ``none``); ``clover+suffix`` merges the suffix index's candidates into the same fixed
@@ -510,6 +525,15 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
                          Config("hf", 1, "hf-prompt-lookup", "hf-prompt-lookup", 1)]
     if "llamacpp" in args.sweeps:
         configs["llamacpp"] = llamacpp_configs(args, engine_method)
+    if "peers" in args.sweeps:
+        configs["peers"] = [Config("peers", 1, "vanilla", "vanilla", 1),
+                            Config("peers", 1, "default-clover", engine_method, 1, TreeConfig(budget=args.budget)),
+                            *[Config("peers", 1, f"vanilla-{label}", "vanilla", 1, engine=f"vanilla-{label}")
+                              for label, _ in args.vanilla_engine],
+                            *[Config("peers", 1, name, name, 1) for name in peers]]
+    if "passes" in args.sweeps:
+        lines = ["clover", *[f"vanilla-{label}" for label, _ in args.vanilla_engine], *passes]
+        configs["passes"] = [Config("passes", t, name, "pass", 1, engine=name) for t in PASS_TOKENS for name in lines]
     if "triton" in args.sweeps:
         configs["triton"] = [Config("triton", c, label, label, c) for c in args.concurrency for label in triton_models]
     return configs
@@ -547,6 +571,82 @@ def _load_llamacpp(args, engine, notes: list[str]) -> dict:
                  f"{args.threads or os.cpu_count()} threads, prompt lookup {args.llamacpp_lookup} tokens, "
                  f"OMP_WAIT_POLICY {wait_policy()} (PASSIVE: set it when starting the bench, docs/quantized-target.md).")
     return llamas
+
+
+def _load_peers(args, engine, notes: list[str]) -> tuple[dict, dict]:
+    """(decode lines, pass lines) of the peer runtimes that can run here, as callables
+    ``(prompt ids, max_new) -> sample`` and ``(tokens, past) -> None``; a note for each left out."""
+    import functools
+
+    from clover.genai import BuilderGraphPass, build_genai_model, load_genai, run_genai
+
+    decoders, passes, threads = {}, {}, args.threads or os.cpu_count()
+    if "peers" in args.sweeps:
+        llamas = _load_llamacpp(args, engine, notes)
+        if "llamacpp-greedy" in llamas:
+            decoders["llamacpp-greedy"] = functools.partial(run_llamacpp_sample, llamas["llamacpp-greedy"])
+    checkpoint = engine.meta.source.get("target")
+    if not checkpoint or not Path(checkpoint).is_dir():
+        notes.append(f"onnxruntime-genai left out: the engine's target checkpoint {checkpoint!r} is not here.")
+        return decoders, passes
+    try:
+        model_dir = build_genai_model(checkpoint, Path(args.output) / "genai-int4")
+    except ConfigError as exc:
+        notes.append(f"onnxruntime-genai left out: {exc}")
+        return decoders, passes
+    notes.append(f"onnxruntime-genai {_version('onnxruntime-genai')}: its model builder's CPU graph "
+                 f"(-p int4 -e cpu) of {checkpoint}, {threads} threads, no spin-waiting.")
+    if "peers" in args.sweeps:
+        decoders["genai-greedy"] = functools.partial(run_genai, load_genai(model_dir, threads))
+    if "passes" in args.sweeps:
+        passes["genai-graph"] = BuilderGraphPass(model_dir, threads)
+    return decoders, passes
+
+
+def run_llamacpp_sample(llama, prompt: list[int], max_new: int) -> dict:
+    from clover.llamacpp import run_llamacpp
+
+    return run_llamacpp(llama, prompt, max_new)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"
+
+
+def run_pass(run, tokens: int, past: int, calls: int = 5) -> dict:
+    """The median of ``calls`` passes of ``run(tokens, past)`` (after one untimed), in ms; ``tokens_per_s``:
+    the pass's new tokens per second, so paired ratios compare pass speeds."""
+    run(tokens, past)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        run(tokens, past)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return {"target_ms": 1000 * seconds, "tokens_per_s": tokens / seconds, "tokens_per_step": None}
+
+
+def engine_pass(engine):
+    """``(tokens, past) -> None``: one batch-1 target pass of ``engine`` over a full-size cache, as the decode loop
+    allocates it (a chain of ``tokens`` after ``past`` cached positions)."""
+    from clover.attention import causal_packed_mask
+    from clover.kv_cache import KVCache
+
+    spec = engine.spec
+    cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype)
+    cache.add_rows(1)
+
+    def run(tokens: int, past: int) -> None:
+        ids = torch.randint(0, spec.vocab_size, (1, tokens))
+        engine.target(ids, torch.arange(past, past + tokens)[None], torch.tensor([past], dtype=torch.int32),
+                      causal_packed_mask(1, tokens), *cache.views())
+
+    return run
 
 
 def _fixed(budget: int, proposer: str = "none") -> TreeConfig:
@@ -686,6 +786,9 @@ def run(args) -> dict:
         engines["llamacpp"] = _load_llamacpp(args, engines["clover"], notes)
         if not engines["llamacpp"]:
             args.sweeps = [s for s in args.sweeps if s != "llamacpp"]
+    engines["peers"], engines["passes"] = ({}, {})
+    if {"peers", "passes"} & set(args.sweeps):
+        engines["peers"], engines["passes"] = _load_peers(args, engines["clover"], notes)
     try:
         return _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, store, notes, log)
     finally:
@@ -697,7 +800,11 @@ def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, st
     extra = {label: engines[label].spec.default_method
              for label, _ in args.extra_engine}
     configs = build_configs(args, engines["clover"].spec, "medusa" in engines,
-                            tuple(triton.models) if triton is not None else (), extra)
+                            tuple(triton.models) if triton is not None else (), extra, tuple(engines["peers"]),
+                            tuple(engines["passes"]))
+    pass_runs = {**{name: engine_pass(engines[name]) for name in ["clover", *[f"vanilla-{label}" for label, _ in
+                                                                            args.vanilla_engine]]},
+                 **engines["passes"]}
     if args.lines:  # only the named lines (every sweep keeps its own order)
         known = {c.name for rows in configs.values() for c in rows}
         if set(args.lines) - known:
@@ -706,6 +813,10 @@ def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, st
         configs = {sweep: [c for c in rows if c.name in args.lines] for sweep, rows in configs.items()}
 
     def measure(config: Config, repeat: int, max_new: int) -> dict:
+        if config.sweep == "passes":
+            return run_pass(pass_runs[config.engine], config.x, args.pass_past)
+        if config.method in engines["peers"]:
+            return engines["peers"][config.method](prompts[repeat % len(prompts)], max_new)
         if config.method.startswith("llamacpp-"):
             from clover.llamacpp import run_llamacpp
 
@@ -746,7 +857,7 @@ def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, st
         "command": "python -m clover.bench " + " ".join(shlex.quote(a) for a in args.argv),
         "hardware": hardware(),
         "settings": {k: v for k, v in vars(args).items() if k not in ("argv",)},
-        "engines": {name: str(e.engine_dir) for name, e in engines.items() if name != "llamacpp"},
+        "engines": {name: str(e.engine_dir) for name, e in engines.items() if hasattr(e, "engine_dir")},
         "cost_model": cost_model.to_dict() if cost_model is not None else None,
         "step_costs": step_costs(cost_model, args.batch_sizes, args.budget, engines["clover"].spec.num_draft_heads,
                                  engines["clover"].spec.draft_top_k) if cost_model is not None else None,
@@ -810,6 +921,13 @@ def aims(samples: list[dict]) -> list[dict]:
     ratio("default clover / llama.cpp greedy, batch 1", "llamacpp", "default-clover", "llamacpp-greedy", 1, 1.0)
     ratio("default clover / llama.cpp prompt lookup, batch 1", "llamacpp", "default-clover",
           "llamacpp-prompt-lookup", 1, 1.0)
+    # docs/results/lean-graph: against ONNX Runtime's own LLM runtime and llama.cpp, and the pass itself
+    ratio("vanilla / onnxruntime-genai greedy, batch 1", "peers", "vanilla", "genai-greedy", 1, 1.0)
+    ratio("default clover / onnxruntime-genai greedy, batch 1", "peers", "default-clover", "genai-greedy", 1, 1.3)
+    ratio("default clover / llama.cpp greedy, batch 1 (peers sweep)", "peers", "default-clover", "llamacpp-greedy", 1,
+          2.0)
+    for tokens in (1, 8):  # within 1.1x of the builder graph's pass time: its speed at least 1/1.1 of it
+        ratio(f"target pass speed / builder graph's, T = {tokens}", "passes", "clover", "genai-graph", tokens, 1 / 1.1)
     for x in sorted({s["x"] for s in samples if s["sweep"] == "batch" and s["method"] == "vanilla"}):
         ratio(f"default clover / vanilla tokens/s, batch {x}", "batch", "default-clover", "vanilla", x, 0.95)
         ratio(f"adaptive clover / vanilla tokens/s, batch {x}", "batch", "adaptive-clover", "vanilla", x, 1.0)
@@ -882,7 +1000,7 @@ def markdown(report: dict) -> str:
     for aim in report["aims"]:
         measured = "–" if aim["ratio"] is None else f"{aim['ratio']:.2f}× ({aim['min']:.2f}–{aim['max']:.2f})"
         met = "–" if aim["met"] is None else ("yes" if aim["met"] else "**no**")
-        lines.append(f"| {aim['aim']} | {measured} | {aim['goal']}× | {met} |")
+        lines.append(f"| {aim['aim']} | {measured} | {aim['goal']:.3g}× | {met} |")
     lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
     return "\n".join(lines)
 
@@ -895,7 +1013,7 @@ def plot(report: dict, output: Path) -> list[Path]:
 
     written = []
     for sweep, data in report["sweeps"].items():
-        keys = {"batch": ["tokens_per_s"], "hf": ["tokens_per_s"],
+        keys = {"batch": ["tokens_per_s"], "hf": ["tokens_per_s"], "peers": ["tokens_per_s"], "passes": ["target_ms"],
                 "triton": ["tokens_per_s", "ttft_p50_ms", "itl_p50_ms"]}.get(sweep, ["tokens_per_s", "tokens_per_step"])
         fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.5), squeeze=False)
         for ax, key in zip(axes[0], keys):
@@ -986,8 +1104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="llamacpp sweep: draft tokens per step of llama.cpp's prompt lookup (LlamaPromptLookupDecoding's "
                         "num_pred_tokens, default 10)")
     p.add_argument("--vanilla-engine", action="append", type=_labelled, default=[], metavar="LABEL=DIR",
-                   help="llamacpp sweep: vanilla decoding on another engine of the same target, the line "
-                        "vanilla-LABEL (repeatable; vanilla-fp32 is the aim's fp32 baseline)")
+                   help="llamacpp, peers and passes sweeps: vanilla decoding (and the pass) on another engine of the "
+                        "same target, the line vanilla-LABEL (repeatable; vanilla-fp32 is the aim's fp32 baseline)")
+    p.add_argument("--pass-past", type=int, default=100, help="passes sweep: cached positions before the pass")
     p.add_argument("--concurrency", type=_ints, default=None,
                    help="triton sweep: concurrent gRPC streams (default 1,2,4,8,16,32; 2 requests per stream)")
     p.add_argument("--triton-startup-timeout", type=float, default=600.0, help="seconds to wait for tritonserver")

@@ -299,3 +299,10 @@ def new_kv_of(result, past_lengths, k_cache, v_cache) -> tuple[list, list]:
         return [torch.stack([c[b, :, p : p + tokens] for b, p in enumerate(past_lengths.tolist())]) for c in caches]
 
     return written(k_cache), written(v_cache)
+
+
+def assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, tolerance: float = 1e-4) -> None:
+    """Equal within ``tolerance`` relative, and absolute ``tolerance`` times the tensor's scale: float32 sums over
+    a different order (an ONNX graph against torch) drift with the magnitude of the values summed (the
+    Augmenting Block's h0 reaches ~100 on the tiny random targets)."""
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * max(1.0, want.abs().max().item()))

@@ -162,14 +162,14 @@ def test_onnx_draft_step_with_a_vocabulary_matches_torch(checkpoint, vocab_engin
     ort_engine, torch_engine = OnnxRuntimeEngine(vocab_engines[method]), _torch_engine(checkpoint, vocab_engines[method])
     assert ort_engine.meta.drafter_config.draft_vocab_size == 48  # engine.json records V'
     vocab = draft_vocab_of(torch_engine.draft.drafter)
-    hidden, token = _step_inputs(32, ort_engine.spec.vocab_size, nodes=7, seed=1)
+    hidden, token = _step_inputs(ort_engine.spec.hidden_size, ort_engine.spec.vocab_size, nodes=7, seed=1)
     for head in range(3):
         want, got = torch_engine.draft_step(hidden, token, head), ort_engine.draft_step(hidden, token, head)
         torch.testing.assert_close(got.next_hidden, want.next_hidden, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got.topk_logprobs, want.topk_logprobs, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.topk_ids, want.topk_ids) and torch.isin(got.topk_ids, vocab).all()
     weights = {t.name: list(t.dims) for t in onnx.load(str(vocab_engines[method] / "draft_step.onnx")).graph.initializer}
-    assert weights["draft_lm_head.weight"] == [32, 48] and weights["draft_vocab"] == [48]
+    assert weights["draft_lm_head.weight"] == [ort_engine.spec.hidden_size, 48] and weights["draft_vocab"] == [48]
     assert ("lm_head.weight" in weights) == (method not in ("medusa", "clover-no-regressive"))
 
 
@@ -193,7 +193,7 @@ def test_int8_draft_step_quantizes_only_the_vocabulary_rows(checkpoint, vocab_en
                               draft_int8=True, **quiet)
     graph = onnx.load(str(engine_dir / "draft_step.onnx")).graph
     weights = {t.name: list(t.dims) for t in graph.initializer}
-    assert weights["draft_lm_head.weight_quantized"] == [32, 48]
+    assert weights["draft_lm_head.weight_quantized"] == [load_target(checkpoint).config.hidden_size, 48]
     assert not any("lm_head.weight.transposed" in name for name in weights)  # no full-vocabulary MatMul
     engine = OnnxRuntimeEngine(engine_dir)
     prompts = random_prompts(8, 3, engine.spec.vocab_size, 2, 20)
@@ -208,7 +208,8 @@ def test_build_option_picks_a_prefix_of_the_ranking(checkpoint, vocab_engines, t
     engine_dir = build_engine(tmp_path / "v20", str(checkpoint), str(heads), max_seq=256, draft_vocab=20,
                               calibrate=False, **quiet)
     assert json.loads((engine_dir / "engine.json").read_text())["drafter_config"]["draft_vocab_size"] == 20
-    ids = OnnxRuntimeEngine(engine_dir).draft_step(*_step_inputs(32, 97, nodes=9), 0).topk_ids
+    engine = OnnxRuntimeEngine(engine_dir)
+    ids = engine.draft_step(*_step_inputs(engine.spec.hidden_size, 97, nodes=9), 0).topk_ids
     assert torch.isin(ids, ranking[:20]).all()
     full = build_engine(tmp_path / "v0", str(checkpoint), str(heads), max_seq=256, draft_vocab=0, **quiet)
     names = {t.name for t in onnx.load(str(full / "draft_step.onnx"), load_external_data=False).graph.initializer}
@@ -288,7 +289,7 @@ def test_a_demo_engine_without_the_shipped_vocabulary_is_rebuilt(tmp_path):
              (shipped.draft_vocab_size, None, False)]  # built before engines recorded the heads' digest
     for size, digest, current in cases:
         drafter_config = DrafterConfig.from_dict({**shipped.to_dict(), "draft_vocab_size": size})
-        EngineMeta(backend="onnxruntime", dtype="fp32", attention="standard", files={}, tensors={}, num_kv_layers=3,
+        EngineMeta(backend="onnxruntime", dtype="fp32", attention="gqa", files={}, tensors={}, num_kv_layers=3,
                    limits=EngineLimits(1, 1, 64), target_config=tiny_target_config(), drafter_config=drafter_config,
                    source={"drafter": heads, "drafter_sha256": digest}, cost_model=CostModel(target=[[1, 0.1]]),
                    target_quantization={"weights": DEMO_TARGET_WEIGHTS, "compute": DEMO_TARGET_COMPUTE}).write(tmp_path)

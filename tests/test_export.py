@@ -19,7 +19,8 @@ from clover.drafters import load_drafter, save_drafter
 from clover.export.builder import build_engine
 from clover.target import load_target
 from tests.conftest import make_drafter, write_tiny_checkpoint
-from tests.helpers import greedy_deviations, hf_greedy, hf_next_logits, new_kv_of, random_prompts, vanilla_greedy
+from tests.helpers import (assert_close_to_scale, greedy_deviations, hf_greedy, hf_next_logits, new_kv_of,
+                           random_prompts, vanilla_greedy)
 
 METHODS = ["clover", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment"]
 quiet = dict(progress=lambda message: None)
@@ -72,11 +73,10 @@ def test_onnxruntime_matches_torch(checkpoints, engines, key):
     assert ort_engine.spec == torch_engine.spec
     inputs = _random_step_inputs(torch_engine.spec, seed=len(key[1]))
     expected, actual = torch_engine.target(*inputs), ort_engine.target(*inputs)
-    torch.testing.assert_close(actual.logits, expected.logits, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(actual.h0, expected.h0, rtol=1e-4, atol=1e-4)
     keys, values = new_kv_of(actual, *inputs[2:3], *inputs[4:])
-    for a, e in zip(keys + values, expected.present_keys + expected.present_values):
-        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    for a, e in [(actual.logits, expected.logits), (actual.h0, expected.h0),
+                 *zip(keys + values, expected.present_keys + expected.present_values)]:
+        assert_close_to_scale(a, e)
     hidden = torch.randn(7, torch_engine.spec.hidden_size, generator=torch.Generator().manual_seed(1))
     token = torch.randint(0, torch_engine.spec.vocab_size, (7,), generator=torch.Generator().manual_seed(2))
     for head in range(3):
@@ -140,7 +140,9 @@ def test_cli_generate_with_engine_equals_torch(checkpoints, engines, tmp_path, c
 
 def test_engine_json_is_self_describing(engines):
     meta = json.loads((engines[("llama", "clover")] / "engine.json").read_text())
-    assert meta["contract_version"] == 1 and meta["dtype"] == "fp32"
+    assert meta["contract_version"] == 3 and meta["dtype"] == "fp32" and meta["attention"] == "gqa"
+    assert meta["files"]["target_batched"] == "target_batched.onnx"
+    assert meta["tensors"]["target_batched"]["inputs"] == meta["tensors"]["target"]["inputs"]
     assert meta["drafter_config"]["method"] == "clover" and meta["num_kv_layers"] == 3
     heads_file = engines[("llama", "clover")].parent / "llama-clover-heads" / "model.safetensors"
     assert meta["source"]["drafter_sha256"] == hashlib.sha256(heads_file.read_bytes()).hexdigest()
@@ -170,8 +172,8 @@ def test_plugin_variant_graph(checkpoints, tmp_path):
     cache_inputs = {i.name for i in model.graph.input if i.name.startswith("past_")}
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert attrs["num_q_heads"] == 4 and attrs["num_kv_heads"] == 1 and attrs["head_dim"] == 8
-        assert math.isclose(attrs["scale"], 1 / math.sqrt(8), rel_tol=1e-6)
+        assert attrs["num_q_heads"] == 4 and attrs["num_kv_heads"] == 1 and attrs["head_dim"] == 16
+        assert math.isclose(attrs["scale"], 1 / math.sqrt(16), rel_tol=1e-6)
         assert attrs["plugin_namespace"] == b"clover" and attrs["plugin_version"] == b"1"
         assert len(node.input) == 7 and len(node.output) == 1
         assert node.input[3] in cache_inputs and node.input[4] in cache_inputs
@@ -218,8 +220,8 @@ def test_plugin_variant_graph_computes_the_torch_target(checkpoints, arch, tmp_p
         feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = k_cache[i].numpy(), v_cache[i].numpy()
     model = onnx.load(str(engine_dir / "target.onnx"))
     logits, h0 = ReferenceEvaluator(model, new_ops=[TreeAttention]).run(["logits", "h0"], feeds)
-    torch.testing.assert_close(torch.from_numpy(logits), want.logits, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(torch.from_numpy(h0), want.h0, rtol=1e-4, atol=1e-4)
+    assert_close_to_scale(torch.from_numpy(logits), want.logits)
+    assert_close_to_scale(torch.from_numpy(h0), want.h0)
 
 
 def test_failed_build_leaves_nothing_behind(checkpoints, tmp_path, monkeypatch):

@@ -50,13 +50,14 @@ def _heads(checkpoint, directory, method: str = "clover2", seed: int = 1):
 @pytest.fixture(scope="module")
 def engines(checkpoints, tmp_path_factory):
     """A Clover-2 onnxruntime engine per architecture (Qwen2: q/k/v biases in the block, 4:1 GQA), and a
-    Clover engine beside the Llama one (contract v1)."""
+    Clover engine with standard attention beside the Llama one (contract v1)."""
     root = tmp_path_factory.mktemp("clover2-engines")
     built = {}
     for key in (("llama", "clover2"), ("qwen2", "clover2"), ("llama", "clover")):
         heads = _heads(checkpoints[key[0]], root / f"{key[0]}-{key[1]}-heads", key[1])
+        attention = "standard" if key[1] == "clover" else None  # None: the default (gqa)
         built[key] = build_engine(root / f"{key[0]}-{key[1]}", str(checkpoints[key[0]]), str(heads), max_seq=256,
-                                  **quiet)
+                                  attention=attention, **quiet)
     return built
 
 
@@ -127,7 +128,7 @@ def test_draft_step_with_a_draft_vocabulary_matches_torch(checkpoints, tmp_path)
 def test_engine_directory_records_draft_prefill(engines):
     engine_dir = engines[("llama", "clover2")]
     meta = json.loads((engine_dir / "engine.json").read_text())
-    assert meta["contract_version"] == 2 and meta["num_draft_kv_layers"] == 2
+    assert meta["contract_version"] == 3 and meta["num_draft_kv_layers"] == 2  # gqa target, draft_prefill of v2
     assert meta["drafter_config"]["method"] == "clover2" and meta["num_kv_layers"] == 2  # no block in the target
     assert meta["files"]["draft_prefill"] == "draft_prefill.onnx" and (engine_dir / "draft_prefill.onnx").exists()
     table = meta["tensors"]["draft_prefill"]
@@ -136,8 +137,8 @@ def test_engine_directory_records_draft_prefill(engines):
     assert names[5:] == ["draft_past_key_0", "draft_past_value_0", "draft_past_key_1", "draft_past_value_1"]
     assert [t["name"] for t in table["outputs"]] == ["state", "draft_present_key_0", "draft_present_value_0",
                                                      "draft_present_key_1", "draft_present_value_1"]
-    assert table["inputs"][0]["shape"] == ["batch", "tokens", 32] and table["inputs"][5]["shape"] == ["batch", 2,
-                                                                                                       "max_seq", 8]
+    assert table["inputs"][0]["shape"] == ["batch", "tokens", 64] and table["inputs"][5]["shape"] == ["batch", 2,
+                                                                                                       "max_seq", 16]
     assert [t["name"] for t in meta["tensors"]["draft_step"]["inputs"]] == list(DRAFT_INPUTS)
     # an engine of another method: contract 1, no draft_prefill, no num_draft_kv_layers key
     other = json.loads((engines[("llama", "clover")] / "engine.json").read_text())
@@ -227,8 +228,8 @@ def test_plugin_variant_uses_tree_attention_in_the_block(checkpoints, engines, t
     cache_inputs = {i.name for i in model.graph.input if i.name.startswith("draft_past_")}
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert attrs["num_q_heads"] == 4 and attrs["num_kv_heads"] == 1 and attrs["head_dim"] == 8
-        assert math.isclose(attrs["scale"], 1 / math.sqrt(8), rel_tol=1e-6)
+        assert attrs["num_q_heads"] == 4 and attrs["num_kv_heads"] == 1 and attrs["head_dim"] == 16
+        assert math.isclose(attrs["scale"], 1 / math.sqrt(16), rel_tol=1e-6)
         assert node.input[3] in cache_inputs and node.input[4] in cache_inputs
         assert list(node.input[5:]) == ["past_lengths", "spec_decoding_packed_mask"]
     step = onnx.load(str(engine_dir / "draft_step.onnx"), load_external_data=False)
@@ -279,7 +280,7 @@ def test_contract_v1_engine_directories_still_load(checkpoints, engines, tmp_pat
         engine.draft_prefill(*_random_prefill_inputs(engine.spec, seed=1))
     with pytest.raises(ConfigError, match="does not match"):
         SpeculativeDecoder(engine, "clover2")
-    for version, draft_layers in ((1, 2), (3, 0), (None, 0)):
+    for version, draft_layers in ((1, 2), (4, 0), (None, 0)):
         broken = dict(meta, contract_version=version, num_draft_kv_layers=draft_layers)
         (engine_dir / "engine.json").write_text(json.dumps(broken))
         with pytest.raises(ConfigError, match="contract version"):

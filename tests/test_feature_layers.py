@@ -117,3 +117,15 @@ def test_engine_build_refusal_and_config_checks():
             dataclasses.replace(config, feature_layers=bad)
     with pytest.raises(ConfigError, match="Augmenting Block"):
         dataclasses.replace(config, method="medusa", feature_layers=[2, 29])
+
+
+def test_build_engine_refuses_multi_layer_heads_before_writing_anything(tmp_path):
+    from clover.export.builder import build_engine
+    from clover.target import load_target
+    from tests.conftest import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
+    save_drafter(multi_layer_drafter(load_target(checkpoint)), tmp_path / "heads")
+    with pytest.raises(ConfigError, match="multi-layer features"):
+        build_engine(tmp_path / "engine", str(checkpoint), str(tmp_path / "heads"), progress=lambda m: None)
+    assert not (tmp_path / "engine").exists()

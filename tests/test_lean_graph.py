@@ -21,7 +21,7 @@ from clover.engine_dir import read_engine_meta
 from clover.export.builder import build_engine
 from clover.target import load_target
 from tests.conftest import make_drafter, write_tiny_checkpoint
-from tests.helpers import OracleEngine, hf_greedy, new_kv_of, random_prompts, vanilla_greedy
+from tests.helpers import OracleEngine, assert_close_to_scale, hf_greedy, new_kv_of, random_prompts, vanilla_greedy
 from tests.test_export import _random_step_inputs
 
 quiet = dict(progress=lambda message: None)
@@ -78,8 +78,8 @@ def test_gqa_engine_matches_torch(built, arch, batch, tokens, past):
     keys, values = new_kv_of(actual, inputs[2], k_cache, v_cache)
     pairs = [(actual.logits, expected.logits), (actual.h0, expected.h0),
              *zip(keys + values, expected.present_keys + expected.present_values)]
-    for got, want in pairs:  # 1e-4 of each tensor's scale (the Augmenting Block's h0 reaches ~100 here)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()))
+    for got, want in pairs:
+        assert_close_to_scale(got, want)
     for before, after in zip(inputs[4] + inputs[5], k_cache + v_cache):  # the past itself is never written
         for b, p in enumerate(past):
             assert torch.equal(before[b, :, :p], after[b, :, :p])
@@ -94,11 +94,11 @@ def test_gqa_routing_follows_what_onnxruntime_computes(built):
     engine, reference = OnnxRuntimeEngine(engine_dir), _torch_engine(checkpoint, heads)
     tree_no_past = _random_step_inputs(reference.spec, seed=4, batch=1, tokens=6, past=(0,))
     assert not _gqa_runs(1, 6, tree_no_past[2].numpy(), tree_no_past[3].numpy())
-    forced = engine._target_in_place(_feeds(tree_no_past), *tree_no_past[4:])
+    forced = engine._target_in_place(engine._binding_for(*tree_no_past[4:]), _feeds(tree_no_past))
     assert not torch.allclose(forced.logits, reference.target(*tree_no_past).logits, atol=1e-3)
     trees_after_past = _random_step_inputs(reference.spec, seed=5, batch=2, tokens=4, past=(3, 8))
     with pytest.raises(Exception, match="batch_size must be 1"):
-        engine._target_in_place(_feeds(trees_after_past), *trees_after_past[4:])
+        engine._target_in_place(engine._binding_for(*trees_after_past[4:]), _feeds(trees_after_past))
     prompt = (trees_after_past[0], torch.arange(4).expand(2, -1).contiguous(), torch.zeros(2, dtype=torch.int32),
               causal_packed_mask(2, 4))
     assert _gqa_runs(2, 4, prompt[2].numpy(), prompt[3].numpy())  # prompts of several sequences run in place
@@ -110,13 +110,28 @@ def _feeds(inputs) -> dict:
             "spec_decoding_packed_mask": mask.numpy()}
 
 
-def test_in_place_engine_refuses_a_step_past_the_cache(built):
+def test_a_step_past_the_cache_buffer_is_never_written_in_place(built):
+    """The op writes wherever the lengths point: a step that does not fit the buffer runs the batched graph
+    and returns its K/V (the decode loop's commit then refuses it as an overflow), the cache untouched."""
     engine = OnnxRuntimeEngine(built["llama"][2])
     spec = engine.spec
-    cache = [torch.zeros(1, spec.num_kv_heads, spec.max_seq_len, spec.head_dim) for _ in range(spec.num_kv_layers)]
-    with pytest.raises(RuntimeError, match="KV cache overflow"):
-        engine.target(torch.zeros(1, 4, dtype=torch.long), torch.arange(254, 258)[None],
-                      torch.tensor([spec.max_seq_len - 2], dtype=torch.int32), causal_packed_mask(1, 4), cache, cache)
+    cache = [torch.zeros(1, spec.num_kv_heads, 8, spec.head_dim) for _ in range(spec.num_kv_layers)]
+    result = engine.target(torch.zeros(1, 4, dtype=torch.long), torch.arange(6, 10)[None],
+                           torch.tensor([6], dtype=torch.int32), causal_packed_mask(1, 4), cache, cache)
+    assert result.present_keys is not None and result.present_keys[0].shape[2] == 4
+    assert all(not c.any() for c in cache)
+
+
+def test_one_tensor_for_keys_and_values_is_never_written_in_place(built):
+    """A caller that passes one tensor as both caches (as contract v1 allowed for read-only caches) gets the new
+    tokens' K/V back: written in place, the values would overwrite the keys the op then reads."""
+    checkpoint, heads, engine_dir = built["llama"]
+    engine, reference = OnnxRuntimeEngine(engine_dir), _torch_engine(checkpoint, heads)
+    inputs = _random_step_inputs(reference.spec, seed=9, batch=1, tokens=3, past=(5,))
+    shared = [k.clone() for k in inputs[4]]
+    result = engine.target(*inputs[:4], shared, shared)
+    assert result.present_keys is not None
+    assert_close_to_scale(result.logits, reference.target(*inputs[:4], shared, shared).logits)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

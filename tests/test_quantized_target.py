@@ -371,7 +371,7 @@ def test_a_demo_engine_without_the_default_target_weights_is_rebuilt(tmp_path):
     other_compute = "int8" if DEMO_TARGET_COMPUTE == "fp32" else "fp32"
     for quantization, current in [(default, True), (None, False), ({**default, "compute": other_compute}, False),
                                   ({"weights": "int8", "compute": "int8"}, DEMO_TARGET_WEIGHTS == "int8")]:
-        EngineMeta(backend="onnxruntime", dtype="fp32", attention="standard", files={}, tensors={}, num_kv_layers=3,
+        EngineMeta(backend="onnxruntime", dtype="fp32", attention="gqa", files={}, tensors={}, num_kv_layers=3,
                    limits=EngineLimits(1, 1, 64), target_config=tiny_target_config(), drafter_config=drafter_config,
                    source={"drafter": heads, "drafter_sha256": heads_digest(heads)},
                    cost_model=CostModel(target=[[1, 0.1]]), target_quantization=quantization).write(tmp_path)

@@ -94,6 +94,7 @@ class OnnxRuntimeEngine:
                 raise ConfigError(f"{engine_dir}: {name} is missing; rebuild the engine")
         self.target_session = _session(self.engine_dir / files["target"], threads)
         self.in_place = meta.attention == "gqa"  # contract v3: the target writes the KV cache itself
+        self.runs_batched_trees_apart = self.in_place  # in target_batched.onnx: the cost model prices them apart
         batched = files.get("target_batched")
         self.batched_session = _session(self.engine_dir / batched, threads) if self.in_place and batched else None
         if self.in_place and self.batched_session is None:
@@ -126,10 +127,13 @@ class OnnxRuntimeEngine:
         if self.in_place:
             batch, tokens = feeds["input_ids"].shape
             past = feeds["past_lengths"]
-            if past.size and int(past.max()) + tokens > self.spec.max_seq_len:
-                raise RuntimeError("KV cache overflow: a sequence is longer than max_seq_len")
-            if _gqa_runs(batch, tokens, past, feeds["spec_decoding_packed_mask"]):
-                return self._target_in_place(feeds, k_cache, v_cache)
+            # the op writes wherever the lengths point: in place only where the new tokens fit the buffer (a
+            # caller's shorter cache, as contract v1 allowed, gets the new tokens' K/V back instead)
+            fits = not past.size or int(past.max()) + tokens <= k_cache[0].shape[2]
+            if fits and _gqa_runs(batch, tokens, past, feeds["spec_decoding_packed_mask"]):
+                binding = self._binding_for(k_cache, v_cache)
+                if binding is not None:
+                    return self._target_in_place(binding, feeds)
             session = self.batched_session
         else:
             session = self.target_session
@@ -138,10 +142,10 @@ class OnnxRuntimeEngine:
         presents = outputs[2:]
         return TargetResult(outputs[0], outputs[1], presents[0::2], presents[1::2])
 
-    def _target_in_place(self, feeds: dict, k_cache, v_cache) -> TargetResult:
-        """The ``gqa`` graph with each present bound to its past's memory: the op writes the new tokens' K/V
-        into the decode loop's cache (contract v3); logits and h0 come back in fresh arrays."""
-        binding = self._binding_for(k_cache, v_cache)
+    def _target_in_place(self, binding, feeds: dict) -> TargetResult:
+        """The ``gqa`` graph with each present bound to its past's memory (``binding``: :meth:`_binding_for`): the
+        op writes the new tokens' K/V into the decode loop's cache (contract v3); logits and h0 come back in fresh
+        arrays."""
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)
         batch, tokens = feeds["input_ids"].shape
@@ -157,13 +161,17 @@ class OnnxRuntimeEngine:
 
     def _binding_for(self, k_cache, v_cache):
         """An I/O binding with the caches bound as the past inputs and, at the same memory, the present outputs;
-        made again only when other cache views come (as :meth:`_cache_feeds_of`)."""
+        made again only when other cache views come (as :meth:`_cache_feeds_of`). None where the caches cannot be
+        written in place: not contiguous CPU memory of the engine's dtype, or one tensor passed for two caches
+        (the op would write values over keys)."""
         tensors = [t for pair in zip(k_cache, v_cache) for t in pair]
         refs, binding = self._binding
         if len(refs) == len(tensors) and all(ref() is t for ref, t in zip(refs, tensors)):
             return binding
         if not all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == self.spec.dtype for t in tensors):
-            raise ValueError("an in-place engine needs contiguous CPU caches of the engine's dtype")
+            return None
+        if len({t.data_ptr() for t in tensors}) < len(tensors):
+            return None
         binding = self.target_session.io_binding()
         for past, present, t in zip(self._cache_names, self._present_names, tensors):
             for bind in (binding.bind_input, binding.bind_output):

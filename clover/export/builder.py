@@ -22,6 +22,7 @@ import dataclasses
 import os
 import platform
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -63,7 +64,7 @@ class BuildOptions:
         TreeConfig(proposer=self.proposer)  # ConfigError for an unknown proposer, before anything is built
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise ConfigError(f"draft_vocab must be >= 0 (0: the full vocabulary), not {self.draft_vocab}")
-        attention = self.attention or default_attention(self.backend)
+        attention = self.attention or default_attention(self.backend, self.dtype)
         return dataclasses.replace(self, attention=attention, target_compute=self._checked_target_compute())
 
     def _checked_target_compute(self) -> str | None:
@@ -90,10 +91,14 @@ class BuildOptions:
         return compute
 
 
-def default_attention(backend: str) -> str:
-    """``plugin`` (``clover.TreeAttention``) for TensorRT; for onnxruntime ``gqa``: its fused
-    GroupQueryAttention with the KV cache written in place (docs/engine-contract.md#in-place-kv)."""
-    return "plugin" if backend == "tensorrt" else "gqa"
+def default_attention(backend: str, dtype: str = "fp32") -> str:
+    """``plugin`` (``clover.TreeAttention``) for TensorRT; for onnxruntime fp32 ``gqa``: its fused
+    GroupQueryAttention with the KV cache written in place (docs/engine-contract.md#in-place-kv). fp16 onnxruntime
+    engines (not a CPU speed path) keep ``standard`` with unfused norms, the numerics their tests hold them to
+    (tests/test_export.py::test_fp16_engine_decodes_the_fp32_reference_up_to_fp16_near_ties)."""
+    if backend == "tensorrt":
+        return "plugin"
+    return "gqa" if dtype == "fp32" else "standard"
 
 
 def _attention_for(options: BuildOptions, cfg, chosen: str | None, progress: Callable[[str], None]) -> BuildOptions:
@@ -171,7 +176,7 @@ def _load_models(target: str | None, drafter: str | None, options: BuildOptions,
                  progress: Callable[[str], None]) -> _LoadedModels:
     """Target, tokenizer and heads, in the engine's dtype. ``drafter`` as in :func:`build_engine`."""
     from clover.demo import resolve_drafter, resolve_target
-    from clover.drafters import Drafter, draft_vocab_of, load_drafter
+    from clover.drafters import Drafter, check_onnx_exportable, draft_vocab_of, load_drafter
     from clover.target import load_target, load_tokenizer
 
     progress("loading the target")
@@ -187,6 +192,7 @@ def _load_models(target: str | None, drafter: str | None, options: BuildOptions,
     else:
         progress(f"heads: {drafter}")
         heads = load_drafter(drafter, model, draft_vocab_size=options.draft_vocab)
+        check_onnx_exportable(heads.config)
     if options.draft_vocab and (heads is None or draft_vocab_of(heads) is None):
         raise ConfigError("--draft-vocab needs trained heads with a draft vocabulary (training/draft_vocab.py)")
     if heads is not None and heads.config.draft_vocab_size:
@@ -391,9 +397,12 @@ def calibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None, 
 
     ``max_tokens``: the most tokens in flight measured; default ``max_batch * (1 + max_tree)`` capped at 256.
     """
-    from clover.adaptive import calibrate
+    from clover.adaptive import busy_machine_warning, calibrate
     from clover.backends import load_engine
 
+    warn = busy_machine_warning()
+    if warn:
+        print(f"[build_engine] warning: {warn}", file=sys.stderr, flush=True)
     engine = load_engine(engine_dir)
     meta, limits = engine.meta, engine.meta.limits
     max_tokens = max_tokens or min(256, limits.max_batch * (1 + limits.max_tree))
