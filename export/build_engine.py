@@ -36,9 +36,10 @@ def parse_args(argv=None, prog=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
                    help="onnxruntime (CPU) or tensorrt (NVIDIA GPU; also writes .plan files) (default: onnxruntime)")
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="weights and activations (default: fp32)")
-    p.add_argument("--attention", choices=["standard", "plugin"], default=None,
-                   help="tree attention as standard ONNX ops, or as clover.TreeAttention plugin nodes "
-                        "(default: standard for onnxruntime, plugin for tensorrt)")
+    p.add_argument("--attention", choices=["gqa", "standard", "plugin"], default=None,
+                   help="gqa: onnxruntime's fused GroupQueryAttention, the KV cache written in place (fastest on "
+                        "CPU); standard: standard ONNX ops; plugin: clover.TreeAttention nodes for TensorRT "
+                        "(default: gqa for onnxruntime, plugin for tensorrt)")
     p.add_argument("--max-batch", type=int, default=32, help="largest batch the engine serves (default: 32)")
     p.add_argument("--max-tree", type=int, default=32, help="largest tree (draft nodes) per step (default: 32)")
     p.add_argument("--max-seq", type=int, default=2048, help="KV-cache length per sequence (default: 2048)")
@@ -60,10 +61,12 @@ def parse_args(argv=None, prog=None) -> argparse.Namespace:
                         "(FR-Spec; written by training/draft_vocab.py): its LM-head cost shrinks by V/N; only the "
                         "proposals change, outputs stay lossless. 0: the full vocabulary. Default: the heads' own "
                         "draft_vocab_size (config.json; the full vocabulary for heads without one)")
-    p.add_argument("--target-weights", choices=["fp32", "int8", "q4"], default=None,
+    p.add_argument("--target-weights", choices=["fp32", "int8", "q4", "int4"], default=None,
                    help="the target's linear weights (onnxruntime fp32 engines; docs/quantized-target.md): q4 = "
                         "4-bit blocks (onnxruntime MatMulNBits; on the demo target the GGUF's own Q4_1 layers and "
-                        "Q8_0 LM head, elsewhere quantized per block of 32), int8 = int8 per output channel, fp32 = "
+                        "Q8_0 LM head, elsewhere quantized per block of 32), int4 = MatMulNBits' own symmetric 4-bit "
+                        "blocks for every linear, LM head included (as onnxruntime-genai's builder), int8 = int8 per "
+                        "output channel, fp32 = "
                         "as loaded. Decoding stays lossless against vanilla greedy on the same engine. Default: q4 "
                         "on the demo target, else fp32")
     p.add_argument("--target-compute", choices=["fp32", "int8"], default=None,
