@@ -135,14 +135,20 @@ def _stream_to_terminal(decoder, requests, tokenizer, stop: list[str]):
 
     shown, tokens = [0], []
 
+    def show(final: bool = False) -> None:
+        text = cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), stop)
+        # a character cut between tokens decodes as U+FFFD until its last byte comes: hold it back
+        end = len(text) if final else len(text.rstrip("\ufffd"))
+        sys.stdout.write(text[shown[0]:end])
+        sys.stdout.flush()
+        shown[0] = max(shown[0], end)
+
     def on_event(event):
         tokens.extend(event.new_token_ids)
-        text = cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), stop)
-        sys.stdout.write(text[shown[0]:])
-        sys.stdout.flush()
-        shown[0] = len(text)
+        show()
 
     results = decoder.generate(requests, on_event=on_event)
+    show(final=True)
     sys.stdout.write("\n")
     return results
 
