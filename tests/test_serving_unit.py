@@ -248,13 +248,28 @@ def test_concurrent_requests_from_threads_equal_solo_greedy(ort_engine, referenc
     assert metrics.active_batch_size == 0 and metrics.pending_requests == 0
 
 
+def _long_answer_prompt(reference, max_tokens: int, at_least: int = 12) -> str:
+    """The first of PROMPTS whose greedy answer on the tiny random target runs ``at_least`` tokens (a streamed
+    answer needs several steps; which prompts do depends on the random weights)."""
+    return next(p for p in PROMPTS if len(reference(p, max_tokens).token_ids) >= at_least)
+
+
+def _clean_stop(text: str, start: int = 10) -> str:
+    """A 3-character stop string of ``text`` at or after ``start`` that first occurs there and holds whole
+    characters only (a random byte-level model writes invalid UTF-8, shown as U+FFFD, which no stop string
+    should be made of)."""
+    return next(text[i:i + 3] for i in range(start, len(text) - 2)
+                if "\ufffd" not in text[i:i + 3] and text.index(text[i:i + 3]) == i)
+
+
 def test_streaming_deltas_and_stop_strings(ort_engine, reference):
     tokenizer = ort_engine[1]
-    expected = reference(PROMPTS[2], 40)
-    stop = expected.text[10:13]
+    prompt = _long_answer_prompt(reference, 40, at_least=24)
+    expected = reference(prompt, 40)
+    stop = _clean_stop(expected.text)
     collector = _Collector()
     with _batcher(ort_engine) as batcher:
-        batcher.submit(_request(tokenizer, PROMPTS[2], 40, stop_strings=(stop,)), collector)
+        batcher.submit(_request(tokenizer, prompt, 40, stop_strings=(stop,)), collector)
         assert collector.done.wait(30)
     assert collector.text == expected.text[: expected.text.index(stop)]
     assert collector.final.finish_reason == "stop"
@@ -521,9 +536,10 @@ def _text(prompt):
 def test_triton_model_logic_streams_batches_and_rejects(tiny_engine_dir, reference):
     from clover.serving.triton_model import CloverTritonModel
 
+    long_prompt = _long_answer_prompt(reference, 25)
     model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1"))
     try:
-        streamed = FakeRequest(text_input=_text(PROMPTS[2]), max_tokens=np.array([25], np.int32),
+        streamed = FakeRequest(text_input=_text(long_prompt), max_tokens=np.array([25], np.int32),
                                stream=np.array([True]), return_perf_metrics=np.array([True]))
         whole = FakeRequest(text_input=_text(PROMPTS[4]), max_tokens=np.array([30], np.int32))
         bad = FakeRequest(text_input=_text("hi"), max_tokens=np.array([0], np.int32))
@@ -535,7 +551,7 @@ def test_triton_model_logic_streams_batches_and_rejects(tiny_engine_dir, referen
     assert len(bad.sender.responses) == 1 and "max_new_tokens must be >= 1" in bad.sender.responses[0].error.message
     assert bad.sender.responses[0].error.code == FakePbUtils.TritonError.INVALID_ARG
 
-    expected = reference(PROMPTS[2], 25)
+    expected = reference(long_prompt, 25)
     outputs = [r.outputs for r in streamed.sender.responses]
     assert len(outputs) > 2 and all(r.error is None for r in streamed.sender.responses)
     assert b"".join(o["text_output"][0] for o in outputs).decode() == expected.text
