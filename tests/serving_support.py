@@ -76,6 +76,14 @@ class Reference:
         return min(t for t in range(self.engine.spec.vocab_size) if t not in produced)
 
 
+def long_answer_prompt(reference: Reference, max_tokens: int, at_least: int | None = None) -> str:
+    """The first of PROMPTS whose greedy answer on the tiny random target runs ``at_least`` tokens (default: all
+    ``max_tokens``, no EOS before): a streamed answer needs several steps, and which prompts give one depends
+    on the random weights."""
+    at_least = max_tokens if at_least is None else at_least
+    return next(p for p in PROMPTS if len(reference(p, max_tokens).token_ids) >= at_least)
+
+
 @pytest.fixture(scope="session")
 def reference(tiny_engine_dir) -> Reference:
     return Reference(tiny_engine_dir)

@@ -31,7 +31,7 @@ from clover.serving.openai_frontend import (  # noqa: E402
     ChatCompletionRequest, CompletionRequest, FrontendProcess, FrontendSettings, OpenAIError, chat_request,
     completion_request, create_app, model_error, parse_body, render_chat)
 from clover.serving.server import ServerError, find_tritonserver, free_port  # noqa: E402
-from tests.serving_support import PROMPTS, reference, tiny_engine_dir  # noqa: E402,F401  (fixtures)
+from tests.serving_support import PROMPTS, long_answer_prompt, reference, tiny_engine_dir  # noqa: E402,F401  (fixtures)
 
 STARTUP_S = 240
 CONTEXT = 256  # the tiny engine's
@@ -399,8 +399,8 @@ def test_health_answers_with_a_status(served):
         assert json.loads(response.read()) == {"status": "ok", "model": "clover", "triton": served.grpc_url}
 
 
-def test_chat_equals_tritonclient_token_for_token(served, client, tokenizer):
-    prompt = PROMPTS[2]
+def test_chat_equals_tritonclient_token_for_token(served, client, tokenizer, reference):
+    prompt = long_answer_prompt(reference, 30)
     expected = _triton(served, prompt, 30)
     answer = client.chat.completions.create(model="clover", messages=[{"role": "user", "content": prompt}],
                                             max_tokens=30, temperature=0, extra_body={"return_token_ids": True})

@@ -27,7 +27,7 @@ pytest.importorskip("tritonclient.http", reason="tritonclient[http] is not insta
 from clover.client import ClientError, GrpcClient, HttpClient, collect, run_load  # noqa: E402
 from clover.serving.repository import write_repository  # noqa: E402
 from clover.serving.server import ServerError, TritonServer, find_tritonserver, free_port, shm_regions  # noqa: E402
-from tests.serving_support import PROMPTS, reference, tiny_engine_dir  # noqa: E402,F401  (fixtures)
+from tests.serving_support import PROMPTS, long_answer_prompt, reference, tiny_engine_dir  # noqa: E402,F401  (fixtures)
 
 STARTUP_S = 240
 
@@ -110,8 +110,9 @@ def test_http_generate(server, reference):
 
 
 def test_http_generate_stream(server, reference):
-    chunks = list(HttpClient(server.http_url).stream(PROMPTS[2], 30))
-    expected = reference(PROMPTS[2], 30)
+    prompt = long_answer_prompt(reference, 30)
+    chunks = list(HttpClient(server.http_url).stream(prompt, 30))
+    expected = reference(prompt, 30)
     assert len(chunks) > 5  # one event per decode step
     assert "".join(c.text for c in chunks) == expected.text
     assert [t for c in chunks for t in c.token_ids] == expected.token_ids

@@ -17,7 +17,7 @@ from clover.serving.batcher import InflightBatcher, TextStream
 from clover.serving.protocol import (INPUTS, PARAMETERS, RequestError, RequestLimits, model_parameters, parse_request,
                                      render_model_config)
 from clover.serving.repository import source_repository, write_repository
-from tests.serving_support import PROMPTS, reference, tiny_engine_dir  # noqa: F401  (fixtures)
+from tests.serving_support import PROMPTS, long_answer_prompt, reference, tiny_engine_dir  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -248,12 +248,6 @@ def test_concurrent_requests_from_threads_equal_solo_greedy(ort_engine, referenc
     assert metrics.active_batch_size == 0 and metrics.pending_requests == 0
 
 
-def _long_answer_prompt(reference, max_tokens: int, at_least: int = 12) -> str:
-    """The first of PROMPTS whose greedy answer on the tiny random target runs ``at_least`` tokens (a streamed
-    answer needs several steps; which prompts do depends on the random weights)."""
-    return next(p for p in PROMPTS if len(reference(p, max_tokens).token_ids) >= at_least)
-
-
 def _clean_stop(text: str, start: int = 10) -> str:
     """A 3-character stop string of ``text`` at or after ``start`` that first occurs there and holds whole
     characters only (a random byte-level model writes invalid UTF-8, shown as U+FFFD, which no stop string
@@ -264,7 +258,7 @@ def _clean_stop(text: str, start: int = 10) -> str:
 
 def test_streaming_deltas_and_stop_strings(ort_engine, reference):
     tokenizer = ort_engine[1]
-    prompt = _long_answer_prompt(reference, 40, at_least=24)
+    prompt = long_answer_prompt(reference, 40, at_least=24)
     expected = reference(prompt, 40)
     stop = _clean_stop(expected.text)
     collector = _Collector()
@@ -536,7 +530,7 @@ def _text(prompt):
 def test_triton_model_logic_streams_batches_and_rejects(tiny_engine_dir, reference):
     from clover.serving.triton_model import CloverTritonModel
 
-    long_prompt = _long_answer_prompt(reference, 25)
+    long_prompt = long_answer_prompt(reference, 25, at_least=12)
     model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1"))
     try:
         streamed = FakeRequest(text_input=_text(long_prompt), max_tokens=np.array([25], np.int32),

@@ -245,7 +245,8 @@ def test_hidden_cache_round_trip_and_resume(tiny, distilled, tmp_path):
             n = len(ids)
             out = target(torch.tensor([ids]), torch.arange(n)[None], torch.zeros(1, dtype=torch.int32),
                          __import__("clover.attention", fromlist=["x"]).causal_packed_mask(1, n),
-                         [torch.zeros(1, 2, 0, 8)] * 2, [torch.zeros(1, 2, 0, 8)] * 2)
+                         *[[torch.zeros(1, target.config.num_kv_heads, 0, target.config.head_dim)]
+                           * target.config.num_layers] * 2)
         torch.testing.assert_close(torch.from_numpy(np.array(conv["last_layer_input"])), out.last_layer_input[0],
                                    atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(torch.from_numpy(np.array(conv["last_hidden"])), out.last_hidden[0],
@@ -708,7 +709,8 @@ def test_live_features_equal_the_cache(tiny, distilled, cache_dir, tmp_path):
         assert np.array_equal(a["tokens"], b["tokens"]) and np.array_equal(a["assistant_mask"], b["assistant_mask"])
     both = cache_mod.open_training_data(f"{cache_dir},{tmp_path / 'c32'}")
     assert len(both) == 2 * len(exact) and both.index["num_tokens"] == 2 * exact.index["num_tokens"]
-    assert exact.index["disk_bytes"] == cache_mod.disk_bytes(exact.index["num_tokens"], 32, "float32")
+    hidden = tiny["target"].config.hidden_size
+    assert exact.index["disk_bytes"] == cache_mod.disk_bytes(exact.index["num_tokens"], hidden, "float32")
 
 
 class _FakeClock:
