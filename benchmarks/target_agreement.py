@@ -16,7 +16,8 @@ Every engine decodes greedily (vanilla, batch 1) on MT-bench first turns (chat t
 
 Where they differ the reference's own top-2 logit gap at that position is recorded: differences at
 near-ties are what a different rounding is expected to flip. ``--llama-cpp`` measures llama.cpp on the same
-GGUF the same way (llama-cpp-python, optional extra ``llamacpp``).
+GGUF the same way (llama-cpp-python, optional extra ``llamacpp``), and ``--genai DIR`` onnxruntime-genai's model
+builder graph of the reference engine's target, built into DIR (optional extra ``bench``).
 """
 
 from __future__ import annotations
@@ -101,6 +102,26 @@ class LlamaCppGreedy:
         return llama_greedy(self.llama, prompt, max_new, eos)
 
 
+class GenaiGraph:
+    """onnxruntime-genai's model builder graph (``clover.genai``) of the reference's target checkpoint."""
+
+    def __init__(self, checkpoint: str, model_dir: str, threads: int) -> None:
+        from clover.genai import BuilderGraphPass, build_genai_model, load_genai
+
+        self.model_dir = build_genai_model(checkpoint, model_dir)
+        self.graph = BuilderGraphPass(self.model_dir, threads)
+        self.threads = threads
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        return torch.from_numpy(self.graph.logits(ids)).float()
+
+    def greedy(self, prompt: list[int], max_new: int, eos: int) -> list[int]:
+        from clover.genai import genai_greedy, load_genai
+
+        tokens = genai_greedy(load_genai(self.model_dir, self.threads), prompt, max_new)
+        return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
 def _resume(path: Path, names: list[str]) -> tuple[dict[str, list[dict]], set]:
     """The rows of the questions a killed run finished (``path``: one JSON line per question), and their ids."""
     rows: dict[str, list[dict]] = {name: [] for name in names}
@@ -120,6 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--reference", required=True, help="the fp32 engine directory")
     p.add_argument("--engines", required=True, help="comma-separated engine directories to compare")
     p.add_argument("--llama-cpp", action="store_true", help="also llama.cpp on the demo GGUF (llama-cpp-python)")
+    p.add_argument("--genai", metavar="DIR", default=None,
+                   help="also onnxruntime-genai's builder graph (-p int4 -e cpu) of the reference's target, built in DIR")
     p.add_argument("--questions", type=int, default=80, help="MT-bench first turns (default: all 80)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
@@ -133,6 +156,8 @@ def main(argv=None) -> int:
     others = {path: load_engine(path, threads=args.threads) for path in args.engines.split(",")}
     if args.llama_cpp:
         others["llama.cpp"] = LlamaCppGreedy(args.threads)
+    if args.genai:
+        others["onnxruntime-genai"] = GenaiGraph(reference.meta.source["target"], args.genai, args.threads)
     rows, done = _resume(Path(args.output).with_suffix(".jsonl"), list(others))
     questions = [q for q in mtbench_first_turns(limit=args.questions) if q["id"] not in done]
     for question in tqdm(questions, desc="questions", file=sys.stderr):
@@ -140,7 +165,7 @@ def main(argv=None) -> int:
         want = greedy(reference, prompt, args.max_new_tokens, eos)
         reference_logits = full_pass_logits(reference, prompt + want)
         for name, engine in others.items():
-            llama = isinstance(engine, LlamaCppGreedy)
+            llama = isinstance(engine, (LlamaCppGreedy, GenaiGraph))
             logits = engine.logits(prompt + want) if llama else full_pass_logits(engine, prompt + want)
             tokens = None
             if args.free_running:

@@ -95,6 +95,18 @@ class BuilderGraphPass:
         self.layers, self.vocab = decoder["num_hidden_layers"], json.loads(
             (Path(model_dir) / "genai_config.json").read_text())["model"]["vocab_size"]
         self.cache = [np.zeros(shape, np.float32) for _ in range(2 * self.layers)]
+        self.empty = np.zeros((1, shape[1], 0, shape[3]), np.float32)
+
+    def logits(self, ids: list[int]):
+        """float32 ``[len(ids), V]``: one causal pass over ``ids`` from an empty cache (agreement checks:
+        benchmarks/target_agreement.py --genai)."""
+        import numpy as np
+
+        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64)}
+        for layer in range(self.layers):
+            for kind in ("key", "value"):
+                feeds[f"past_key_values.{layer}.{kind}"] = self.empty
+        return self.session.run(["logits"], feeds)[0][0]
 
     def __call__(self, tokens: int, past: int) -> None:
         import numpy as np
