@@ -497,6 +497,8 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
     _lm_head(g, target, normed, embed)
     if augment is not None:  # the Augmenting Block reads the last layer's input (docs/drafter.md)
         last_hidden = _decoder_layer(g, augment, "augment", last_input, attend, cfg.num_layers).value(g)
+        if on_layer is not None:
+            on_layer(num_kv, num_kv)
     g.op("Identity", last_hidden, outputs=["h0"])
     graph = helper.make_graph(g.nodes, "clover_target", inputs, outputs, g.initializers)
     _save(g, graph, Path(path))
