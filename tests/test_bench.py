@@ -338,3 +338,32 @@ def test_aims_pair_each_repeat_with_its_own_vanilla_run():
     row = next(a for a in aims(samples) if a["aim"] == "default clover / vanilla tokens/s, batch 1" and a["goal"] == 0.95)
     assert row["ratio"] == pytest.approx(1.2) and row["min"] == pytest.approx(1.0) and row["met"] is True
     assert paired_ratio(samples, "batch", "default-clover", "vanilla", 8) is None
+
+
+def test_peers_and_passes_sweeps_measure_what_runs_here_and_say_what_was_left_out(engines, tmp_path, monkeypatch):
+    """The peer runtimes are optional: a missing one is left out with its install hint, and the lines that run
+    here (Clover's decoding and target passes) are measured and paired as the aims say."""
+    import clover.genai
+    import clover.llamacpp
+    from clover.config import ConfigError
+
+    def missing(*args, **kwargs):
+        raise ConfigError("not installed here (test)")
+
+    monkeypatch.setattr(clover.genai, "require_genai", missing)
+    monkeypatch.setattr(clover.llamacpp, "require_llama_cpp", missing)
+    clover_engine, medusa = engines
+    out = tmp_path / "report"
+    assert bench_main(["--engine", str(clover_engine), "--vanilla-engine", f"other={medusa}", "--output", str(out),
+                       "--quick", "--prompts", "builtin", "--sweeps", "peers,passes", "--silent",
+                       "--max-new-tokens", "8", "--threads", "1"]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert set(report["sweeps"]["peers"]["methods"]) == {"vanilla", "default-clover", "vanilla-other"}
+    passes = report["sweeps"]["passes"]["methods"]
+    assert set(passes) == {"clover", "vanilla-other"} and passes["clover"]["x"] == [1, 2, 4, 8, 16]
+    assert all(s["median"] > 0 for s in passes["clover"]["target_ms"])
+    notes = " ".join(report["notes"])
+    assert "onnxruntime-genai left out" in notes and "llama.cpp sweep skipped" in notes
+    aims = {a["aim"]: a for a in report["aims"]}
+    assert aims["vanilla / onnxruntime-genai greedy, batch 1"]["ratio"] is None  # nothing to pair with
+    assert "## passes: target pass (ms per step)" in (out / "bench.md").read_text()
