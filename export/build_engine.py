@@ -70,9 +70,11 @@ def parse_args(argv=None, prog=None) -> argparse.Namespace:
                         "as loaded. Decoding stays lossless against vanilla greedy on the same engine. Default: q4 "
                         "on the demo target, else fp32")
     p.add_argument("--target-compute", choices=["fp32", "int8"], default=None,
-                   help="activations in the quantized target's MatMuls: int8 (accuracy_level 4, quantized per block "
-                        "of 32 as llama.cpp does; with q4, 2.2%% of MT-bench positions differ from fp32) or fp32 "
-                        "(accuracy_level 1; q4 only: keeps the fp32 engine's greedy answers, slower). Default: int8")
+                   help="activations in the quantized target's MatMuls: fp32 (accuracy_level 1: keeps the fp32 "
+                        "engine's greedy answers, token-exact under speculation) or int8 (accuracy_level 4, quantized "
+                        "per block of 32 as llama.cpp does: faster, 2.2%% of MT-bench positions differ from fp32, and "
+                        "not token-exact under speculation: docs/quantized-target.md). Default: fp32 for q4, int8 "
+                        "for int8 and int4")
     p.add_argument("--proposer", choices=["suffix", "none"], default=None,
                    help="model-free tree candidates the engine decodes with by default (engine.json tree_defaults; "
                         "clover generate --proposer and the serving parameter override it); default: suffix "

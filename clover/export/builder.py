@@ -113,18 +113,18 @@ def _attention_for(options: BuildOptions, cfg, chosen: str | None, progress: Cal
     return dataclasses.replace(options, attention="standard")
 
 
-# The demo engine's target: the GGUF's own 4-bit blocks with int8 activations, as llama.cpp runs them: 97.8% of
-# MT-bench positions agree with the fp32 engine (llama.cpp: 97.8%), and on a CPU without AVX-512 fp32-activation
-# MatMulNBits is slower than the fp32 engine itself. int4 blocks (onnxruntime-genai's recipe) are faster still but
-# agree at 76% (docs/quantized-target.md#the-default).
-DEMO_TARGET_WEIGHTS, DEMO_TARGET_COMPUTE = "q4", "int8"
+# The demo engine's target: the GGUF's own 4-bit blocks with fp32 activations, which keep the fp32 engine's greedy
+# answers. Not int8 activations, although faster: onnxruntime 1.32's int8-compute MatMulNBits gives a token other
+# logits (by up to 1.2) depending on the other rows of the pass, so verifying a tree would not reproduce vanilla
+# decoding token for token (docs/quantized-target.md#the-default).
+DEMO_TARGET_WEIGHTS, DEMO_TARGET_COMPUTE = "q4", "fp32"
 
 
 def default_target_compute(target_weights: str) -> str:
-    """``int8`` activations for every quantized target, as llama.cpp and onnxruntime-genai compute on a CPU: the
-    fast MatMulNBits kernels (``--target-compute fp32`` keeps q4 exact against the fp32 engine, at a cost that
-    depends on the CPU: docs/quantized-target.md)."""
-    return "int8"
+    """``fp32`` activations for q4 weights (exact against the fp32 engine, and the same numbers whatever else the
+    pass holds), ``int8`` for int8 weights (their only kernel) and int4 blocks (already approximate); int8
+    activations make a token's logits depend on the other rows of the pass (docs/quantized-target.md#the-default)."""
+    return "fp32" if target_weights == "q4" else "int8"
 
 
 def default_target_weights(target: str | None, backend: str = "onnxruntime", dtype: str = "fp32") -> str:
@@ -226,6 +226,10 @@ def _target_weights(models: _LoadedModels, options: BuildOptions, progress: Call
         source = {"q4": "quantized per block (gguf Q4_1, LM head Q8_0)",
                   "int4": "quantized per block of 32 (4-bit, symmetric, MatMulNBits' own layout)",
                   "int8": "quantized per output channel (int8, symmetric)"}[options.target_weights]
+    if options.target_compute == "int8" and models.heads is not None:
+        progress("note: int8 activations make a token's logits depend on the shape of the pass, so speculative "
+                 "decoding on this engine can part from its vanilla decoding at near-ties "
+                 "(docs/quantized-target.md); --target-compute fp32 keeps it token-exact")
     weights = target_weights_for(models.model, options.target_weights, models.gguf)
     return weights, describe(weights, options.target_weights, options.target_compute, source)
 
