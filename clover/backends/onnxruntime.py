@@ -51,7 +51,7 @@ def _gqa_runs(batch: int, tokens: int, past: np.ndarray, packed_mask: np.ndarray
     """Whether onnxruntime's GroupQueryAttention (CPU, 1.32) computes this step as the contract says: one token
     per sequence; a tree after a past at batch 1 (several sequences with a past: it refuses); a prompt chunk,
     whose mask is causal (with no past it masks causally and ignores the tree bias).
-    Measured: tests/test_export.py::test_gqa_routing."""
+    Measured: tests/test_lean_graph.py::test_gqa_routing_follows_what_onnxruntime_computes."""
     if tokens == 1:
         return True
     if batch == 1 and past[0] > 0:
@@ -152,11 +152,7 @@ class OnnxRuntimeEngine:
         outputs = {name: np.empty((batch, tokens, size), dtype=self._np_dtype) for name, size in self._head_sizes}
         for name, array in outputs.items():
             binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-        start = time.perf_counter()
-        try:
-            self.target_session.run_with_iobinding(binding)
-        finally:
-            self.run_seconds += time.perf_counter() - start
+        self._timed(self.target_session.run_with_iobinding, binding)
         return TargetResult(torch.from_numpy(outputs["logits"]), torch.from_numpy(outputs["h0"]), None, None)
 
     def _binding_for(self, k_cache, v_cache):
@@ -174,9 +170,8 @@ class OnnxRuntimeEngine:
             return None
         binding = self.target_session.io_binding()
         for past, present, t in zip(self._cache_names, self._present_names, tensors):
-            for bind in (binding.bind_input, binding.bind_output):
-                bind(past if bind == binding.bind_input else present, "cpu", 0, self._np_dtype, list(t.shape),
-                     t.data_ptr())
+            binding.bind_input(past, "cpu", 0, self._np_dtype, list(t.shape), t.data_ptr())
+            binding.bind_output(present, "cpu", 0, self._np_dtype, list(t.shape), t.data_ptr())  # the same memory
         self._binding = ([weakref.ref(t) for t in tensors], binding)
         return binding
 
@@ -194,9 +189,13 @@ class OnnxRuntimeEngine:
         return feeds
 
     def _run(self, session, output_names: list[str], feeds: dict) -> list:
+        return self._timed(session.run, output_names, feeds)
+
+    def _timed(self, call, *args):
+        """``call(*args)``, its time added to :attr:`run_seconds`."""
         start = time.perf_counter()
         try:
-            return session.run(output_names, feeds)
+            return call(*args)
         finally:
             self.run_seconds += time.perf_counter() - start
 
