@@ -420,14 +420,6 @@ def drafter_class(config: DrafterConfig) -> type[nn.Module]:
     return Clover2Drafter if config.has_draft_prefill else Drafter
 
 
-def check_onnx_exportable(config: DrafterConfig) -> None:
-    """Raise :class:`ConfigError` for heads the ONNX engine graphs cannot run yet, before any build work."""
-    if config.feature_layers:
-        raise ConfigError(f"these heads read multi-layer features (feature_layers {config.feature_layers}); the ONNX "
-                          "target graph exports the last layer's input only, so they run on the torch backend for "
-                          "now (docs/drafter.md#multi-layer-features)")
-
-
 def check_compatible(config: DrafterConfig, target: LlamaTarget, source: str = "drafter") -> None:
     """Raise :class:`ConfigError` when heads were made for another target."""
     tc = target.config

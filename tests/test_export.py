@@ -187,6 +187,13 @@ def test_plugin_variant_graph_computes_the_torch_target(checkpoints, arch, tmp_p
     """The --attention plugin graph (what TensorRT builds) run by onnx's reference evaluator, its TreeAttention
     nodes by the reference op clover.attention.tree_attention: the same logits and h0 as the torch engine, for
     mixed past lengths and a random tree mask. Everything but the plugin kernel is so checked without TensorRT."""
+    save_drafter(make_drafter(load_target(checkpoints[arch]), method="clover", num_heads=3), tmp_path / "heads")
+    assert_plugin_graph_computes_the_torch_target(checkpoints[arch], tmp_path / "heads", tmp_path / "plugin")
+
+
+def assert_plugin_graph_computes_the_torch_target(checkpoint, heads, engine_path) -> None:
+    """Build ``heads`` over ``checkpoint`` with ``--attention plugin`` into ``engine_path`` and hold its target
+    graph, run by onnx's reference evaluator, to the torch engine (3 sequences, 37 tokens, pasts 0/5/19)."""
     import numpy as np
     from onnx.reference import ReferenceEvaluator
     from onnx.reference.op_run import OpRun
@@ -200,11 +207,9 @@ def test_plugin_variant_graph_computes_the_torch_target(checkpoints, arch, tmp_p
             inputs = [torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v, past_k, past_v, lengths, mask)]
             return (tree_attention(*inputs, scale=self.scale).numpy(),)
 
-    target = load_target(checkpoints[arch])
-    save_drafter(make_drafter(target, method="clover", num_heads=3), tmp_path / "heads")
-    engine_dir = build_engine(tmp_path / "plugin", str(checkpoints[arch]), str(tmp_path / "heads"),
-                              attention="plugin", max_seq=256, **quiet)
-    torch_engine = TorchEngine(target, load_drafter(tmp_path / "heads", target), max_seq_len=256)
+    target = load_target(checkpoint)
+    engine_dir = build_engine(engine_path, str(checkpoint), str(heads), attention="plugin", max_seq=256, **quiet)
+    torch_engine = TorchEngine(target, load_drafter(heads, target), max_seq_len=256)
     spec, gen = torch_engine.spec, torch.Generator().manual_seed(0)
     batch, tokens, past = 3, 37, torch.tensor([0, 5, 19], dtype=torch.int32)
     ids = torch.randint(0, spec.vocab_size, (batch, tokens), generator=gen)

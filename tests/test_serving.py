@@ -48,13 +48,20 @@ def clover2_engine_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def multi_layer_engine_path(tmp_path_factory):
+    """Where test_multi_layer_heads_engine_serves_greedy_output builds the engine model ``clover_multilayer`` loads."""
+    return tmp_path_factory.mktemp("multi-layer") / "engine"
+
+
+@pytest.fixture(scope="module")
 def q4_engine_path(tmp_path_factory):
     """Where test_a_quantized_engine_serves_its_greedy_output builds its engine before it loads ``clover_q4``."""
     return tmp_path_factory.mktemp("q4") / "engine"
 
 
 @pytest.fixture(scope="module")
-def server(install, tiny_engine_dir, clover2_engine_path, q4_engine_path, tmp_path_factory):
+def server(install, tiny_engine_dir, clover2_engine_path, q4_engine_path, multi_layer_engine_path,
+           tmp_path_factory):
     root = tmp_path_factory.mktemp("triton")
     repo = write_repository(root / "repo", {
         "clover": {"engine_dir": str(tiny_engine_dir), "threads": "1", "max_batch": "16"},
@@ -62,6 +69,7 @@ def server(install, tiny_engine_dir, clover2_engine_path, q4_engine_path, tmp_pa
         "clover2": {"engine_dir": str(clover2_engine_path), "threads": "1", "max_batch": "4"},
         "suffix_only": {"engine_dir": str(tiny_engine_dir), "threads": "1", "max_batch": "4", "method": "suffix"},
         "clover_q4": {"engine_dir": str(q4_engine_path), "threads": "1", "max_batch": "4"},
+        "clover_multilayer": {"engine_dir": str(multi_layer_engine_path), "threads": "1", "max_batch": "4"},
     })
     server = TritonServer(repo, 0, 0, 0, host="127.0.0.1", log_file=root / "tritonserver.log", install=install,
                           extra_args=("--model-control-mode=explicit", "--load-model=clover"))
@@ -281,26 +289,49 @@ def test_bad_engine_dir_fails_the_model_load_with_a_clear_message(server, tmp_pa
 def test_clover2_engine_serves_greedy_output(server, reference, tiny_engine_dir, clover2_engine_path):
     """A Clover-2 engine (engine contract v2: draft_prefill and the drafter's own KV cache) on the same target,
     served by the same model code: concurrent streams and single responses equal the greedy reference."""
-    import tritonclient.grpc as grpcclient
+    from tests.conftest import make_drafter
 
+    _build_heads_engine(tiny_engine_dir, clover2_engine_path,
+                        lambda target: make_drafter(target, method="clover2"), max_batch=4)
+    _serves_greedy_output(server, reference, "clover2")
+    assert "with clover2 decoding" in server.log_tail(20000)
+
+
+def test_multi_layer_heads_engine_serves_greedy_output(server, reference, tiny_engine_dir, multi_layer_engine_path):
+    """Heads whose Augmenting Block reads two layers' inputs (docs/drafter.md#multi-layer-features), random and
+    so useless: served answers equal the greedy reference."""
+    from tests.test_feature_layers import multi_layer_drafter
+
+    _build_heads_engine(tiny_engine_dir, multi_layer_engine_path, lambda target: multi_layer_drafter(target, (0, 1)),
+                        max_batch=4)
+    _serves_greedy_output(server, reference, "clover_multilayer")
+
+
+def _build_heads_engine(tiny_engine_dir, engine_path, make_heads, max_batch: int) -> None:
+    """Build an engine of heads ``make_heads(target)`` over the tiny engine's own checkpoint into ``engine_path``."""
     from clover.drafters import save_drafter
     from clover.export.builder import build_engine
     from clover.target import load_target
-    from tests.conftest import make_drafter
 
     checkpoint = tiny_engine_dir.parent / "checkpoint"  # serving_support.build_tiny_engine's layout
-    heads = clover2_engine_path.parent / "heads"
-    save_drafter(make_drafter(load_target(checkpoint), method="clover2"), heads)
-    build_engine(clover2_engine_path, str(checkpoint), str(heads), max_seq=256, max_batch=4,
+    heads = engine_path.parent / "heads"
+    save_drafter(make_heads(load_target(checkpoint)), heads)
+    build_engine(engine_path, str(checkpoint), str(heads), max_seq=256, max_batch=max_batch,
                  progress=lambda message: None)
+
+
+def _serves_greedy_output(server, reference, model: str) -> None:
+    """Load ``model``; concurrent streams and single responses equal the greedy reference, and it speculated."""
+    import tritonclient.grpc as grpcclient
+
     admin = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        admin.load_model("clover2", headers=server.grpc_admin_headers)
+        admin.load_model(model, headers=server.grpc_admin_headers)
         cases = [(PROMPTS[2], 30), (PROMPTS[1], 12), (PROMPTS[8], 40)]
         results: dict[int, object] = {}
 
         def run(i):
-            with GrpcClient(server.grpc_url, model="clover2") as client:
+            with GrpcClient(server.grpc_url, model=model) as client:
                 prompt, length = cases[i]
                 results[i] = collect(client.stream(prompt, length)) if i % 2 == 0 else client.generate(prompt, length)
 
@@ -315,9 +346,8 @@ def test_clover2_engine_serves_greedy_output(server, reference, tiny_engine_dir,
             assert results[i].finish_reason == expected.finish_reason
         assert sum(r.perf["total_draft_tokens"] for r in results.values()) > 0  # it did speculate
     finally:
-        admin.unload_model("clover2", headers=server.grpc_admin_headers)
+        admin.unload_model(model, headers=server.grpc_admin_headers)
         admin.close()
-    assert "with clover2 decoding" in server.log_tail(20000)
 
 
 def test_suffix_method_serves_greedy_output(server, reference):

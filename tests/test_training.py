@@ -446,6 +446,35 @@ def test_clover2_trains_and_evaluates(tiny, distilled, cache_dir, tmp_path):
     assert len(rows) == 3 and all(r["steps"] > 0 for r in rows)
 
 
+def test_evaluate_reads_a_distilled_jsonl_for_multi_layer_heads(tiny, distilled, tmp_path):
+    """``evaluate.py --cache X.jsonl``: the target runs per conversation and captures the layers the heads read.
+    Fresh multi-layer heads (the fusion starts as the identity on the highest layer) score exactly as their
+    one-layer copy; a random fusion scores otherwise."""
+    import dataclasses
+
+    from clover.drafters import Drafter, save_drafter
+    from tests.test_feature_layers import multi_layer_drafter
+
+    target = tiny["target"]
+    fused = multi_layer_drafter(target, (0, 1), seed=3)
+    fresh = Drafter.from_target(fused.config, target)
+    one_layer = Drafter(dataclasses.replace(fresh.config, feature_layers=None), target.config)
+    one_layer.load_state_dict({k: v for k, v in fresh.state_dict().items() if not k.startswith("feature_fuse")})
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in distilled))
+    heads = []
+    for name, drafter in (("one", one_layer), ("fresh", fresh), ("fused", fused)):
+        save_drafter(drafter, tmp_path / name, dtype=torch.float32)
+        heads += ["--heads", f"{name}={tmp_path / name}"]
+    assert eval_mod.main([*heads, "--target", str(tiny["path"]), "--cache", str(data),
+                          "--output", str(tmp_path / "out")]) == 0
+    runs = json.loads((tmp_path / "out" / "eval.json").read_text())["runs"]
+    scores = {name: runs[name]["teacher_forced"]["overall"] for name in ("one", "fresh", "fused")}
+    assert scores["one"]["count"][0] > 0
+    assert scores["fresh"]["agree1"] == scores["one"]["agree1"] and scores["fresh"]["loss"] == scores["one"]["loss"]
+    assert scores["fused"]["loss"] != scores["one"]["loss"]
+
+
 @pytest.mark.parametrize("autocast", [None, "bf16"])
 def test_training_loss_decreases_and_checkpoint_round_trips(tiny, cache_dir, tmp_path, autocast):
     target = tiny["target"]

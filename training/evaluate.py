@@ -47,7 +47,7 @@ from clover.config import TreeConfig  # noqa: E402
 
 VARIANTS = ("heads", "heads+suffix", "suffix")  # MT-bench drafting variants (decode_rows)
 from training.data import CATEGORIES, CATEGORY_TITLES  # noqa: E402
-from training.hidden_cache import HiddenCache  # noqa: E402
+from training.hidden_cache import HiddenCache, open_training_data  # noqa: E402
 from training.batches import collate  # noqa: E402
 from training.forward import head_weights, pick_device, run_batch  # noqa: E402
 
@@ -474,7 +474,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", action="append", required=True, help="NAME=DIR of trained heads (repeatable)")
     parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo'")
-    parser.add_argument("--cache", help="hidden-state cache of the eval split (teacher-forced accuracy)")
+    parser.add_argument("--cache", help="the eval split for teacher-forced accuracy: a hidden-state cache, or a "
+                                        "distilled .jsonl (the target runs per conversation; multi-layer heads "
+                                        "need one)")
     parser.add_argument("--prompts", help="eval prompts: distilled JSONL (prompt_ids) or prompt JSONL (decoding)")
     parser.add_argument("--output", required=True, help="directory for eval.json and eval.md")
     parser.add_argument("--per-category", type=int, default=8)
@@ -505,14 +507,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def evaluate_heads(directory: Path, name: str, args: argparse.Namespace, target_dir: Path, target, tokenizer,
-                   cache, records: list[dict], mtbench: list[dict]) -> dict[str, dict]:
+                   records: list[dict], mtbench: list[dict]) -> dict[str, dict]:
     """Every requested measurement for one set of heads, as report runs by name (the MT-bench variants other
     than ``heads`` are runs of their own); raises ConfigError for heads of another target."""
     from clover.drafters import load_drafter
 
     drafter = load_drafter(directory, target)
     run = {"heads": str(directory), "method": drafter.config.method}
-    if cache is not None:
+    if args.cache:  # a .jsonl runs the target per conversation, capturing what these heads read
+        cache = open_training_data(args.cache, target, capture_layers=drafter.config.feature_layers or ())
+        cache.check_target(target)
         run["teacher_forced"] = teacher_forced(drafter, target, cache, batch_tokens=args.batch_tokens,
                                                device=pick_device(args.device),
                                                max_conversations=args.max_conversations)
@@ -571,9 +575,6 @@ def main(argv: list[str] | None = None) -> int:
     target_dir = resolve_target(args.target)
     target = load_target(target_dir)
     tokenizer = load_tokenizer(target_dir)
-    cache = HiddenCache(args.cache) if args.cache else None
-    if cache is not None:
-        cache.check_target(target)
     records = select_prompts(read_jsonl(args.prompts), args.per_category) if args.prompts else []
     try:
         mtbench = mtbench_records(None if args.mtbench == "auto" else args.mtbench,
@@ -590,8 +591,8 @@ def main(argv: list[str] | None = None) -> int:
               "runs": {}}
     for name, directory in parse_heads(args.heads).items():
         try:
-            report["runs"].update(evaluate_heads(directory, name, args, target_dir, target, tokenizer, cache,
-                                                 records, mtbench))
+            report["runs"].update(evaluate_heads(directory, name, args, target_dir, target, tokenizer, records,
+                                                 mtbench))
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -179,7 +179,7 @@ def _load_models(target: str | None, drafter: str | None, options: BuildOptions,
                  progress: Callable[[str], None]) -> _LoadedModels:
     """Target, tokenizer and heads, in the engine's dtype. ``drafter`` as in :func:`build_engine`."""
     from clover.demo import resolve_drafter, resolve_target
-    from clover.drafters import Drafter, check_onnx_exportable, draft_vocab_of, load_drafter
+    from clover.drafters import Drafter, draft_vocab_of, load_drafter
     from clover.target import load_target, load_tokenizer
 
     progress("loading the target")
@@ -195,7 +195,6 @@ def _load_models(target: str | None, drafter: str | None, options: BuildOptions,
     else:
         progress(f"heads: {drafter}")
         heads = load_drafter(drafter, model, draft_vocab_size=options.draft_vocab)
-        check_onnx_exportable(heads.config)
     if options.draft_vocab and (heads is None or draft_vocab_of(heads) is None):
         raise ConfigError("--draft-vocab needs trained heads with a draft vocabulary (training/draft_vocab.py)")
     if heads is not None and heads.config.draft_vocab_size:

@@ -487,15 +487,21 @@ def export_target(target: LlamaTarget, drafter: Drafter | None, path: Path, dtyp
                         list(zip(present_names[0::2], present_names[1::2])))
     embed = _embedding_table(g, target)
     stream = Residual(g.op("Gather", embed, "input_ids", axis=0))
-    last_input = stream
+    feature_layers = set(drafter.config.feature_layers or ()) if augment is not None else set()
+    last_input, layer_inputs = stream, []
     for i, layer in enumerate(target.layers):
         last_input = stream
+        if i in feature_layers:
+            layer_inputs.append(stream.value(g))
         stream = _decoder_layer(g, layer, f"layers.{i}", stream, attend, i)
         if on_layer is not None:
             on_layer(i + 1, num_kv)
     normed, last_hidden = g.add_rms_norm(stream, target.norm, "norm")
     _lm_head(g, target, normed, embed)
     if augment is not None:  # the Augmenting Block reads the last layer's input (docs/drafter.md)
+        if layer_inputs:  # or several layers' inputs, fused (docs/drafter.md#multi-layer-features)
+            last_input = Residual(g.linear(g.op("Concat", *layer_inputs, axis=-1), drafter.feature_fuse,
+                                           "feature_fuse"))
         last_hidden = _decoder_layer(g, augment, "augment", last_input, attend, cfg.num_layers).value(g)
         if on_layer is not None:
             on_layer(num_kv, num_kv)
