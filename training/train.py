@@ -76,6 +76,7 @@ from clover.config import (DRAFTER_METHODS, TOKEN_PATHS, ConfigError, DrafterCon
                            resolve_feature_layers)
 from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, calibrate_token_scale, load_drafter,  # noqa: E402
                              read_draft_vocab, save_drafter, set_draft_vocab)
+from training.accuracy import teacher_forced  # noqa: E402
 from training.batches import Batch, assistant_tokens, collate, plan_digest, plan_epochs  # noqa: E402
 from training.distributed import Distributed  # noqa: E402
 from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,  # noqa: E402
@@ -479,8 +480,6 @@ class _LearningCurve:
     def maybe_measure(self, step: int, total_steps: int, tokens: int) -> None:
         if self.cache is None or not self._due(step, total_steps):
             return
-        from training.evaluate import teacher_forced
-
         cfg, drafter = self.cfg, self.trainer.drafter
         result = teacher_forced(drafter, self.trainer.target, self.cache, device=self.trainer.device,
                                 max_conversations=cfg.eval_conversations, row_chunk=cfg.row_chunk,
