@@ -1017,3 +1017,23 @@ def test_model_card_says_whether_the_answers_were_distilled_or_teacher_forced(tm
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         section = ship_heads.data_section(ship_heads.data_counts(path))
         assert section[2].startswith(first_words) and "6 answer tokens and 4 prompt tokens" in section[2]
+
+
+def test_paired_tau_counts_per_question_wins_and_an_exact_sign_test(tmp_path):
+    from training import paired_tau
+
+    def write(name, steps_by_id):
+        rows = [{"id": q, "category": "writing", "steps": s, "accepted": 128 - s, "new_tokens": 128}
+                for q, s in steps_by_id.items()]
+        (tmp_path / f"{name}-b4.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    # B needs fewer steps on 10 questions, the same on 2; question 99 is A's alone and is left out
+    write("a", {**{q: 100 for q in range(12)}, 99: 50})
+    write("b", {**{q: 80 for q in range(10)}, 10: 100, 11: 100})
+    r = paired_tau.compare(paired_tau.question_tau(str(tmp_path / "a"), 4),
+                           paired_tau.question_tau(str(tmp_path / "b"), 4))
+    assert (r["questions"], r["b_better"], r["b_worse"], r["ties"]) == (12, 10, 0, 2)
+    assert r["mean_difference"] == pytest.approx(10 * (128 / 80 - 128 / 100) / 12)
+    assert r["sign_test_p"] == pytest.approx(2 / 2 ** 10)  # two-sided: 10 of 10 one way, by chance
+    with pytest.raises(SystemExit, match="no such rows file"):
+        paired_tau.question_tau(str(tmp_path / "a"), 8)
