@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -536,6 +537,24 @@ def test_resume_after_interruption_is_bit_exact(tiny, cache_dir, tmp_path):
         assert strip(log_a) == strip(log_b)
     with pytest.raises(ConfigError, match="other settings"):  # same output, other settings
         train_mod.train(tiny_config(cache_dir, tmp_path / "cut-clover", lr=1e-2), target=target)
+
+
+def test_stop_at_pauses_a_run_that_then_continues_to_the_unbroken_weights(tiny, cache_dir, tmp_path):
+    """--stop-at checkpoints at that step and writes no final heads; the learning rate follows the whole plan, so
+    the run continued without it ends with the unbroken run's weights, bit for bit (issue 35's equal-data points)."""
+    target = tiny["target"]
+    ref = train_mod.train(tiny_config(cache_dir, tmp_path / "ref", epochs=2, save_every=1000), target=target)
+    assert ref["steps"] >= 5
+    cfg = tiny_config(cache_dir, tmp_path / "paused", epochs=2, save_every=1000)  # no step checkpoints but the stop
+    paused = train_mod.train(dataclasses.replace(cfg, stop_at=3), target=target)
+    assert paused["complete"] is False and paused["steps"] == 3 and paused["planned_steps"] == ref["steps"]
+    assert torch.load(tmp_path / "paused" / train_mod.STATE_FILE, weights_only=False)["step"] == 3
+    assert not (tmp_path / "paused" / "model.safetensors").exists()
+    assert not (tmp_path / "paused" / train_mod.SUMMARY_FILE).exists()
+    assert train_mod.train(dataclasses.replace(cfg, stop_at=3), target=target)["steps"] == 3  # rerun: still paused
+    resumed = train_mod.train(cfg, target=target)
+    assert resumed["complete"] and resumed["steps"] == ref["steps"]
+    assert run_dir_mod.run_digest(tmp_path / "ref") == run_dir_mod.run_digest(tmp_path / "paused")
 
 
 def test_token_budget_is_the_same_for_every_method(cache_dir):

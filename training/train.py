@@ -137,11 +137,12 @@ class TrainConfig:
     init: str | None = None               # heads directory to start from (fine-tuning) instead of a fresh init
     token_path: str = "residual"          # how the regressive step mixes in its token (DrafterConfig.token_path)
     feature_layers: str | None = None     # multi-layer features: "eagle3" or "l1,l2,..." (DrafterConfig.feature_layers)
+    stop_at: int | None = None            # pause after this step (checkpoint, no final heads); the schedule is the plan's
 
     # fields that may differ between a run and its resumption (none changes the weights beyond float rounding)
     RESUME_FREE = ("save_every", "save_minutes", "log_every", "device", "threads", "progress", "output", "cache", "target",
                    "eval_cache", "eval_every", "eval_conversations", "eval_epochs", "features", "target_dtype", "grad_accum",
-                   "grad_checkpoint")
+                   "grad_checkpoint", "stop_at")
 
     @property
     def needs_target_hidden(self) -> bool:
@@ -362,6 +363,9 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
         drop_log_lines_after(out / LOG_FILE, progress.step)
         drop_log_lines_after(out / EVAL_LOG_FILE, progress.step)
     _run_steps(trainer, cache, plan, progress, out, on_step, _LearningCurve(cfg, trainer, out, epoch_ends))
+    if progress.step < len(plan):  # paused by --stop-at: the checkpoint holds the run, the final heads wait
+        return {"complete": False, "method": cfg.method, "steps": progress.step, "planned_steps": len(plan),
+                "assistant_tokens": progress.tokens_seen, "wall_time_s": round(progress.elapsed, 1)}
     summary = None
     if dist.is_main:
         save_drafter(trainer.drafter.cpu().eval(), out, dtype=torch.float16)
@@ -397,6 +401,9 @@ def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], pro
     from tqdm import tqdm
 
     cfg, total_steps, main = trainer.cfg, len(plan), trainer.dist.is_main
+    # --stop-at pauses the run at a step (equal-data comparisons, a session's end) without changing its schedule:
+    # the learning rate follows the whole plan, so the weights there are those of the unbroken run
+    end = min(total_steps, cfg.stop_at) if cfg.stop_at else total_steps
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(100, round(0.03 * total_steps)))
     feeder = _Feeder(cfg, cache, trainer)
     checkpoints = CheckpointClock(cfg.save_every, 60 * cfg.save_minutes)
@@ -405,7 +412,7 @@ def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], pro
     bar = tqdm(total=total_steps, initial=progress.step, unit="step", disable=not (cfg.progress and main),
                dynamic_ncols=True, desc=cfg.method)
     t0, memory = time.monotonic(), 0.0  # memory: peak MB since the last log line
-    while progress.step < total_steps:
+    while progress.step < end:
         lr = lr_at(progress.step, total_steps, cfg.lr, warmup, cfg.min_lr_ratio)
         stats, grad_norm = trainer.step(feeder.micro_batches(plan[progress.step]), lr, feeder.prepare)
         memory = max(memory, peak_memory_mb(trainer.device))
@@ -423,7 +430,7 @@ def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], pro
                                                   "max_memory_mb": memory, "elapsed_s": round(elapsed, 2)})
             memory = 0.0
         curve.maybe_measure(step, total_steps, progress.tokens_seen)  # before the checkpoint that covers its line
-        if main and checkpoints.due(step, total_steps):
+        if main and (checkpoints.due(step, total_steps) or step == end):
             trainer.save_state(out / STATE_FILE, progress, elapsed, digest)
             checkpoints.written()
         if on_step is not None:
@@ -587,6 +594,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     for name in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip", "head_decay", "init_noise_std",
                  "regression_weight", "topk_weight", "save_minutes"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=fields[name].default)
+    parser.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                        help="pause after this step: checkpoint there and exit without the final heads (e.g. to "
+                             "compare methods at equal data, or to end a session). The learning rate still follows "
+                             "the whole plan, so rerunning without it (or with a later step) continues exactly")
     parser.add_argument("--eval-every", type=int, default=0, help="steps between learning-curve points (eval_log.jsonl)")
     parser.add_argument("--eval-conversations", type=int, default=200, help="held-out conversations per curve point")
     parser.add_argument("--eval-cache", default=None,
@@ -644,8 +655,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     if os.environ.get("RANK", "0") == "0":  # torchrun: one summary line, from rank 0
-        print(json.dumps({k: summary[k] for k in ("method", "steps", "assistant_tokens", "wall_time_s", "final_loss",
-                                                  "final_top1")}))
+        keys = ("method", "steps", "assistant_tokens", "wall_time_s", "final_loss", "final_top1")
+        print(json.dumps({k: summary[k] for k in keys if k in summary}))
+        if not summary["complete"]:
+            print(f"paused at step {summary['steps']} of {summary['planned_steps']} (--stop-at); rerun without it, "
+                  f"or with a later step, to go on", file=sys.stderr)
     return 0
 
 
