@@ -17,4 +17,4 @@ if [[ ! -f $SG/stats.json ]]; then  # ShareGPT's answers, chat-templated; held-o
 fi
 stamp "train: training/configs/scale.json $*"
 python training/train.py --config training/configs/scale.json --no-progress --save-minutes "${SAVE_MINUTES:-3}" "$@"
-stamp "done"
+stamp "train.py exited (complete, paused by --stop-at, or failed: see the lines above)"
