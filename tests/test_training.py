@@ -557,6 +557,38 @@ def test_stop_at_pauses_a_run_that_then_continues_to_the_unbroken_weights(tiny, 
     assert run_dir_mod.run_digest(tmp_path / "ref") == run_dir_mod.run_digest(tmp_path / "paused")
 
 
+def test_decay_branch_anneals_from_a_run_s_checkpoint_and_leaves_the_run_alone(tiny, cache_dir, tmp_path):
+    """training/decay_branch.py: the branch trains the plan's next batches from the run's checkpoint while the
+    learning rate falls to the run's floor, writes its heads, and leaves the run's checkpoint as it was."""
+    from training import decay_branch
+
+    target = tiny["target"]
+    cfg = tiny_config(cache_dir, tmp_path / "run", epochs=2, save_every=1000, min_lr_ratio=0.1)
+    planned = train_mod.train(dataclasses.replace(cfg, stop_at=3), target=target)["planned_steps"]
+    run_state = torch.load(tmp_path / "run" / train_mod.STATE_FILE, weights_only=False)
+
+    info = decay_branch.branch(tmp_path / "run", tmp_path / "branch", steps=2, target=target, progress=False)
+    assert (info["from_step"], info["decay_steps"], info["step"]) == (3, 2, 5)
+    heads = tmp_path / "branch" / "heads"
+    assert json.loads((heads / "snapshot.json").read_text())["step"] == 5
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "branch" / train_mod.LOG_FILE).read_text().splitlines()]
+    floor = 3e-3 * 0.1  # lr times min_lr_ratio
+    start = train_mod.lr_at(3, planned, 3e-3, 1, 0.1)  # the run's own rate for the step the branch starts at
+    assert start > 2 * floor  # far from the floor: the run was not annealed yet
+    assert lrs == pytest.approx([floor + (start - floor) / 2, floor])  # a cosine over 2 steps: halfway, then the floor
+    after = torch.load(tmp_path / "run" / train_mod.STATE_FILE, weights_only=False)
+    assert after["step"] == 3 and all(torch.equal(after["drafter"][n], run_state["drafter"][n]) for n in after["drafter"])
+
+    # the annealing is what the branch changed: the run continued to the same step at its own rates differs
+    train_mod.train(dataclasses.replace(cfg, stop_at=5), target=target)
+    continued = torch.load(tmp_path / "run" / train_mod.STATE_FILE, weights_only=False)["drafter"]
+    branched = torch.load(tmp_path / "branch" / train_mod.STATE_FILE, weights_only=False)["drafter"]
+    assert any(not torch.equal(continued[n], branched[n]) for n in continued)
+    digest = run_dir_mod.run_digest(heads)  # rerunning the finished branch trains nothing and writes the same heads
+    assert decay_branch.branch(tmp_path / "run", tmp_path / "branch", target=target, progress=False)["step"] == 5
+    assert run_dir_mod.run_digest(heads) == digest
+
+
 def test_token_budget_is_the_same_for_every_method(cache_dir):
     convs = cache_mod.HiddenCache(cache_dir).conversations
     plan = batches_mod.make_plan(convs, 160, epochs=3, seed=0, max_tokens=100)

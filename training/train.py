@@ -138,11 +138,18 @@ class TrainConfig:
     token_path: str = "residual"          # how the regressive step mixes in its token (DrafterConfig.token_path)
     feature_layers: str | None = None     # multi-layer features: "eagle3" or "l1,l2,..." (DrafterConfig.feature_layers)
     stop_at: int | None = None            # pause after this step (checkpoint, no final heads); the schedule is the plan's
+    decay_from: int | None = None         # a decay branch (training/decay_branch.py) anneals from this step ...
+    decay_steps: int = 0                  # ... to the floor (min_lr_ratio) over this many steps
 
     # fields that may differ between a run and its resumption (none changes the weights beyond float rounding)
     RESUME_FREE = ("save_every", "save_minutes", "log_every", "device", "threads", "progress", "output", "cache", "target",
                    "eval_cache", "eval_every", "eval_conversations", "eval_epochs", "features", "target_dtype", "grad_accum",
                    "grad_checkpoint", "stop_at")
+
+    @property
+    def decay(self) -> tuple[int, int] | None:
+        """``(from_step, steps)`` of a decay branch, else None (:func:`lr_at`)."""
+        return None if self.decay_from is None else (self.decay_from, self.decay_steps)
 
     @property
     def needs_target_hidden(self) -> bool:
@@ -161,6 +168,8 @@ class TrainConfig:
             del key["topk_weight"], key["topk_tokens"]
         if not self.feature_layers:  # likewise for runs from before --feature-layers
             del key["feature_layers"]
+        if self.decay_from is None:  # likewise for runs that are not decay branches
+            del key["decay_from"], key["decay_steps"]
         return key
 
 
@@ -172,7 +181,16 @@ class Interrupted(Exception):
 # the loop
 
 
-def lr_at(step: int, total: int, base: float, warmup: int, min_ratio: float) -> float:
+def lr_at(step: int, total: int, base: float, warmup: int, min_ratio: float,
+          decay: tuple[int, int] | None = None) -> float:
+    """The learning rate of 0-based ``step``: linear warmup, then a cosine from ``base`` down to
+    ``base * min_ratio`` at the plan's last step. ``decay = (from_step, steps)``: a decay branch leaves that
+    schedule at ``from_step`` and anneals, also along a cosine, from its rate there to the same floor in
+    ``steps`` steps (docs/drafter.md#training-at-scale-and-exact-resume)."""
+    if decay is not None and step >= decay[0]:
+        start, floor = lr_at(decay[0], total, base, warmup, min_ratio), base * min_ratio
+        done = min(1.0, (step - decay[0] + 1) / decay[1])  # 1 at the branch's last step: the floor
+        return floor + (start - floor) * 0.5 * (1 + math.cos(math.pi * done))
     if step < warmup:
         return base * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
@@ -331,6 +349,8 @@ def _check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"features {cfg.features!r}: use one of {', '.join(FEATURE_SOURCES)}")
     if cfg.grad_accum < 1:
         raise ConfigError("--grad-accum must be at least 1")
+    if cfg.decay_from is not None and cfg.decay_steps < 1:
+        raise ConfigError("a decay branch needs decay_steps of at least 1")
 
 
 def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed, device: torch.device) -> dict:
@@ -413,7 +433,7 @@ def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], pro
                dynamic_ncols=True, desc=cfg.method)
     t0, memory = time.monotonic(), 0.0  # memory: peak MB since the last log line
     while progress.step < end:
-        lr = lr_at(progress.step, total_steps, cfg.lr, warmup, cfg.min_lr_ratio)
+        lr = lr_at(progress.step, total_steps, cfg.lr, warmup, cfg.min_lr_ratio, cfg.decay)
         stats, grad_norm = trainer.step(feeder.micro_batches(plan[progress.step]), lr, feeder.prepare)
         memory = max(memory, peak_memory_mb(trainer.device))
         progress.step += 1
