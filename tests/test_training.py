@@ -559,7 +559,8 @@ def test_stop_at_pauses_a_run_that_then_continues_to_the_unbroken_weights(tiny, 
 
 def test_decay_branch_anneals_from_a_run_s_checkpoint_and_leaves_the_run_alone(tiny, cache_dir, tmp_path):
     """training/decay_branch.py: the branch trains the plan's next batches from the run's checkpoint while the
-    learning rate falls to the run's floor, writes its heads, and leaves the run's checkpoint as it was."""
+    learning rate falls to the run's floor, then finishes as a run does (heads and summary at its own last step),
+    and leaves the run's checkpoint as it was."""
     from training import decay_branch
 
     target = tiny["target"]
@@ -567,10 +568,11 @@ def test_decay_branch_anneals_from_a_run_s_checkpoint_and_leaves_the_run_alone(t
     planned = train_mod.train(dataclasses.replace(cfg, stop_at=3), target=target)["planned_steps"]
     run_state = torch.load(tmp_path / "run" / train_mod.STATE_FILE, weights_only=False)
 
-    info = decay_branch.branch(tmp_path / "run", tmp_path / "branch", steps=2, target=target, progress=False)
-    assert (info["from_step"], info["decay_steps"], info["step"]) == (3, 2, 5)
-    heads = tmp_path / "branch" / "heads"
-    assert json.loads((heads / "snapshot.json").read_text())["step"] == 5
+    summary = decay_branch.branch(tmp_path / "run", tmp_path / "branch", steps=2, target=target, progress=False)
+    assert summary["complete"] and (summary["steps"], summary["plan_steps"]) == (5, planned)
+    assert (summary["config"]["decay_from"], summary["config"]["decay_steps"]) == (3, 2)
+    assert json.loads((tmp_path / "branch" / train_mod.SUMMARY_FILE).read_text())["steps"] == 5
+    assert load_drafter(tmp_path / "branch", target).config.method == cfg.method
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "branch" / train_mod.LOG_FILE).read_text().splitlines()]
     floor = 3e-3 * 0.1  # lr times min_lr_ratio
     start = train_mod.lr_at(3, planned, 3e-3, 1, 0.1)  # the run's own rate for the step the branch starts at
@@ -580,13 +582,14 @@ def test_decay_branch_anneals_from_a_run_s_checkpoint_and_leaves_the_run_alone(t
     assert after["step"] == 3 and all(torch.equal(after["drafter"][n], run_state["drafter"][n]) for n in after["drafter"])
 
     # the annealing is what the branch changed: the run continued to the same step at its own rates differs
-    train_mod.train(dataclasses.replace(cfg, stop_at=5), target=target)
+    continued_run = train_mod.train(dataclasses.replace(cfg, stop_at=5), target=target)
+    assert summary["assistant_tokens"] == continued_run["assistant_tokens"]  # the same 5 batches of the plan
     continued = torch.load(tmp_path / "run" / train_mod.STATE_FILE, weights_only=False)["drafter"]
     branched = torch.load(tmp_path / "branch" / train_mod.STATE_FILE, weights_only=False)["drafter"]
     assert any(not torch.equal(continued[n], branched[n]) for n in continued)
-    digest = run_dir_mod.run_digest(heads)  # rerunning the finished branch trains nothing and writes the same heads
-    assert decay_branch.branch(tmp_path / "run", tmp_path / "branch", target=target, progress=False)["step"] == 5
-    assert run_dir_mod.run_digest(heads) == digest
+    digest = run_dir_mod.run_digest(tmp_path / "branch")  # rerunning the finished branch trains nothing
+    assert decay_branch.branch(tmp_path / "run", tmp_path / "branch", target=target, progress=False)["steps"] == 5
+    assert run_dir_mod.run_digest(tmp_path / "branch") == digest
 
 
 def test_token_budget_is_the_same_for_every_method(cache_dir):
@@ -1068,6 +1071,13 @@ def test_model_card_says_whether_the_answers_were_distilled_or_teacher_forced(tm
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         section = ship_heads.data_section(ship_heads.data_counts(path))
         assert section[2].startswith(first_words) and "6 answer tokens and 4 prompt tokens" in section[2]
+        assert "The heads saw" not in section[2]
+    # heads that saw part of the file (a decay branch's first steps of the plan) say how much, and which steps
+    part = {"assistant_tokens": 3, "steps": 25, "plan_steps": 100, "epochs": 2}
+    assert "The heads saw 3 of these answer tokens (50%)" in ship_heads.data_section(ship_heads.data_counts(path),
+                                                                                     part)[2]
+    assert ship_heads.epochs_trained(part) == "0.50: the first 25 of the 100 steps of a 2-epoch plan"
+    assert ship_heads.epochs_trained(dict(part, steps=100)) == "2"
 
 
 def test_paired_tau_counts_per_question_wins_and_an_exact_sign_test(tmp_path):

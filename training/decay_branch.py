@@ -5,9 +5,10 @@
 A run on a long schedule is still near its peak learning rate midway, so heads taken from its checkpoint are
 not the heads it would ship if it stopped there (docs/drafter.md#training-at-scale-and-exact-resume). A branch starts from the
 run's checkpoint (weights, optimizer, RNG, step S), trains the next N batches of the same plan while the
-learning rate anneals from the run's rate at S to the run's floor, and writes the heads to OUTPUT/heads
-(``snapshot.json`` says the step and tokens). The run keeps its own checkpoint and schedule; rerun the
-same command to continue an interrupted branch.
+learning rate anneals from the run's rate at S to the run's floor, and then finishes as a run does: the
+heads, the draft vocabulary and ``training_summary.json`` in OUTPUT, ready for ``training/evaluate.py`` and
+``training/ship_heads.py``. The run keeps its own checkpoint and schedule; rerun the same command to
+continue an interrupted branch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ if __package__ in (None, ""):
 
 from clover.config import ConfigError  # noqa: E402
 from training.run_dir import RUN_CONFIG_FILE, STATE_FILE, save_atomic  # noqa: E402
-from training.snapshot_heads import snapshot  # noqa: E402
 from training.train import TrainConfig, train  # noqa: E402
 
 BRANCH_FILE = "branch.json"  # where the branch came from: run, step S and N, fixed when it starts
@@ -40,8 +40,8 @@ def branch_config(run_dir: Path, output: Path, from_step: int, steps: int) -> Tr
     """The run's own settings, with the branch's output, decay and stop (the plan, hence the batches, are the run's)."""
     fields = json.loads((run_dir / RUN_CONFIG_FILE).read_text())["config"]
     cfg = TrainConfig(**{k: v for k, v in fields.items() if k in TrainConfig.__dataclass_fields__})
-    return dataclasses.replace(cfg, output=str(output), decay_from=from_step, decay_steps=steps,
-                               stop_at=from_step + steps, eval_every=0, eval_epochs=False)
+    return dataclasses.replace(cfg, output=str(output), decay_from=from_step, decay_steps=steps, stop_at=None,
+                               eval_every=0, eval_epochs=False)
 
 
 def start(run_dir: Path, output: Path, steps: int | None) -> dict:
@@ -63,19 +63,17 @@ def start(run_dir: Path, output: Path, steps: int | None) -> dict:
 
 def branch(run_dir: Path, output: Path, steps: int | None = None, target=None, threads: int | None = None,
            progress: bool = True) -> dict:
-    """Train (or continue) the branch and write its heads; returns what ``OUTPUT/heads/snapshot.json`` records."""
+    """Train (or continue) the branch until its heads are written; returns its ``training_summary.json``."""
     origin = start(run_dir, output, steps)
     cfg = branch_config(Path(origin["run"]), output, origin["from_step"], origin["steps"])
     cfg = dataclasses.replace(cfg, progress=progress, threads=threads or cfg.threads)
-    train(cfg, target=target)
-    info = snapshot(output, output / "heads", target=target)
-    return {**info, "from_step": origin["from_step"], "decay_steps": origin["steps"]}
+    return train(cfg, target=target)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="a train.py output directory with train_state.pt (paused or running)")
-    parser.add_argument("--output", type=Path, required=True, help="the branch's directory; its heads go to OUTPUT/heads")
+    parser.add_argument("--output", type=Path, required=True, help="the branch's directory: its checkpoint, then its heads")
     parser.add_argument("--steps", type=int, default=None,
                         help="N, the steps the learning rate anneals over (default: a tenth of the run's steps so "
                              "far, at least 10); fixed when the branch starts")
@@ -87,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.output / 'heads'}: {info['method']} heads annealed from step {info['from_step']} over "
-          f"{info['decay_steps']} steps, at step {info['step']} ({info['tokens']} assistant tokens)")
+    cfg = info["config"]
+    print(f"{args.output}: {info['method']} heads annealed from step {cfg['decay_from']} over {cfg['decay_steps']} "
+          f"steps, at step {info['steps']} of {info['plan_steps']} ({info['assistant_tokens']:,} assistant tokens)")
     return 0
 
 

@@ -31,8 +31,8 @@ branch=$OUT/scale-$step
 stamp "decay branch from step $step: $branch"
 python training/decay_branch.py "$RUN" --output "$branch" --no-progress
 name=scale-$step
-stamp "evaluate $name ($(tr -d '\n ' < "$branch/heads/snapshot.json"))"
-python training/evaluate.py --heads "$name=$branch/heads" --target demo \
+stamp "evaluate $name"
+python training/evaluate.py --heads "$name=$branch" --target demo \
     --cache outputs/data/ablation/teacher_eval40.jsonl --mtbench --budgets 2,4,8,32 \
     --variants heads,heads+suffix --mtbench-max-new-tokens 128 --batch-size 8 --output "$OUT/eval-$step"
 rows=$OUT/eval-$step/mtbench_rows

@@ -64,8 +64,14 @@ SHAREGPT_SOURCE = ("Prompts are the first turns and multi-turn contexts of Share
                    "and MT-bench share no conversation with them.")
 
 
-def data_section(data: dict) -> list[str]:
+def data_section(data: dict, summary: dict | None = None) -> list[str]:
+    """The card's Data section: the training file's counts; with the run's ``summary``, how much of it the heads
+    saw where that is less than all of it (a decay branch or a token budget stops early in a shuffled plan)."""
     source = SHAREGPT_SOURCE if set(data["by_category"]) == {"sharegpt"} else OFFLINE_SOURCES
+    seen = summary["assistant_tokens"] if summary else data["assistant_tokens"]
+    if seen < data["assistant_tokens"]:
+        source += (f" The heads saw {seen:,} of these answer tokens "
+                   f"({seen / data['assistant_tokens']:.0%}), in the shuffled order of the run's plan.")
     if data.get("teacher_forced") == data["conversations"]:
         how = (f"Teacher-forced: ShareGPT's own answers to {data['conversations']:,} training prompts, read by the "
                "frozen target, whose distribution at each answer position is the soft label: ")
@@ -117,12 +123,12 @@ def model_card(name: str, summary: dict, data: dict | None, report: dict | None,
         "| | |", "|---|---|",
         f"| assistant tokens trained on (loss positions) | {summary['assistant_tokens']:,} |",
         f"| optimizer steps | {summary['steps']:,} |",
-        f"| epochs | {summary['epochs']} |",
+        f"| epochs | {epochs_trained(summary)} |",
         f"| wall time | {hours} h {rest // 60} min ({summary['wall_time_s']:.0f} s) |",
         f"| hardware | {summary['hardware']}, torch {summary['torch']} |",
         f"| optimizer | AdamW (β {cfg['beta1']}, {cfg['beta2']}), lr {cfg['lr']}, cosine decay, "
         f"warmup {cfg['warmup_steps'] if cfg['warmup_steps'] is not None else '3% of steps'}, "
-        f"clip {cfg['grad_clip']}, weight decay {cfg['weight_decay']} |",
+        f"clip {cfg['grad_clip']}, weight decay {cfg['weight_decay']}{decay_branch_note(cfg)} |",
         f"| batches | {cfg['batch_tokens']} padded tokens, length buckets of {cfg['bucket_size']}, seed {cfg['seed']} |",
         f"| labels | {cfg.get('labels', 'hard')}"
         + (f"; the heads score a draft vocabulary of the {cfg['draft_vocab_size']:,} most frequent tokens"
@@ -131,6 +137,8 @@ def model_card(name: str, summary: dict, data: dict | None, report: dict | None,
            if cfg.get("topk_weight") else "") + " |",
         *([f"| token path | {cfg['token_path']} (docs/drafter.md#token-path) |"]
           if method == "clover" and cfg.get("token_path") else []),
+        *([f"| features | the inputs of target layers {cfg['feature_layers']}, fused (EAGLE-3; "
+           "docs/drafter.md#multi-layer-features) |"] if cfg.get("feature_layers") else []),
         f"| precision | {'bf16 autocast (fp32 weights, loss and optimizer)' if cfg.get('autocast') == 'bf16' else 'fp32'};"
         " shipped as fp16 |",
         f"| final training loss / head top-1 (last 10 logged steps) | {summary['final_loss']:.3f} / "
@@ -138,7 +146,7 @@ def model_card(name: str, summary: dict, data: dict | None, report: dict | None,
         "",
     ]
     if data is not None:
-        lines += data_section(data)
+        lines += data_section(data, summary)
     if init_card:
         lines += starting_point_section(cfg["init"], init_card)
     if report is not None:
@@ -146,10 +154,26 @@ def model_card(name: str, summary: dict, data: dict | None, report: dict | None,
     if commands:
         lines += ["## Reproduce", "", "```bash", commands.strip(), "```", ""]
     lines += ["## Limits", "",
-              "Trained on CPU within one working session, on a few thousand short self-distilled "
-              "conversations: far less data than the paper's. Accuracy and speed-up on other kinds of text "
-              "may be lower. The heads never change the output, only how many tokens each target pass yields.", ""]
+              f"Trained on {summary['assistant_tokens']:,} answer tokens ({summary['hardware']}): far less data than the paper's drafters see. Accuracy and speed-up on other kinds of text may be "
+              "lower. The heads never change the output, only how many tokens each target pass yields.", ""]
     return "\n".join(lines)
+
+
+def epochs_trained(summary: dict) -> str:
+    """The epochs row: the planned count, or the share of the plan a decay branch (or a paused plan) trained."""
+    steps, plan_steps = summary["steps"], summary.get("plan_steps", summary["steps"])
+    if steps >= plan_steps:
+        return str(summary["epochs"])
+    return (f"{summary['epochs'] * steps / plan_steps:.2f}: the first {steps:,} of the {plan_steps:,} steps of a "
+            f"{summary['epochs']}-epoch plan")
+
+
+def decay_branch_note(cfg: dict) -> str:
+    """How a decay branch left the plan's schedule (training/decay_branch.py); empty for a whole run."""
+    if cfg.get("decay_from") is None:
+        return ""
+    return (f"; a decay branch (`training/decay_branch.py`): from step {cfg['decay_from']:,} the rate fell along a "
+            f"cosine to {cfg['min_lr_ratio']} × lr over {cfg['decay_steps']} steps")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -151,6 +151,11 @@ class TrainConfig:
         """``(from_step, steps)`` of a decay branch, else None (:func:`lr_at`)."""
         return None if self.decay_from is None else (self.decay_from, self.decay_steps)
 
+    def final_step(self, plan_steps: int) -> int:
+        """The step after which the run is finished and writes its heads: a decay branch's last step (its
+        learning rate is at the floor there), else the plan's last."""
+        return plan_steps if self.decay_from is None else min(plan_steps, self.decay_from + self.decay_steps)
+
     @property
     def needs_target_hidden(self) -> bool:
         """Whether the loss reads the target's last hidden state at the label positions."""
@@ -383,7 +388,7 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
         drop_log_lines_after(out / LOG_FILE, progress.step)
         drop_log_lines_after(out / EVAL_LOG_FILE, progress.step)
     _run_steps(trainer, cache, plan, progress, out, on_step, _LearningCurve(cfg, trainer, out, epoch_ends))
-    if progress.step < len(plan):  # paused by --stop-at: the checkpoint holds the run, the final heads wait
+    if progress.step < cfg.final_step(len(plan)):  # paused by --stop-at: the checkpoint holds the run
         return {"complete": False, "method": cfg.method, "steps": progress.step, "planned_steps": len(plan),
                 "assistant_tokens": progress.tokens_seen, "wall_time_s": round(progress.elapsed, 1)}
     summary = None
@@ -423,7 +428,7 @@ def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], pro
     cfg, total_steps, main = trainer.cfg, len(plan), trainer.dist.is_main
     # --stop-at pauses the run at a step (equal-data comparisons, a session's end) without changing its schedule:
     # the learning rate follows the whole plan, so the weights there are those of the unbroken run
-    end = min(total_steps, cfg.stop_at) if cfg.stop_at else total_steps
+    end = min(cfg.final_step(total_steps), cfg.stop_at or total_steps)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(100, round(0.03 * total_steps)))
     feeder = _Feeder(cfg, cache, trainer)
     checkpoints = CheckpointClock(cfg.save_every, 60 * cfg.save_minutes)
@@ -530,16 +535,19 @@ def _show_progress(bar, window: list[dict], num_heads: int, tokens_seen: int) ->
 
 def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progress: Progress, device: torch.device,
              log_path: Path, world_size: int = 1) -> dict:
-    """``training_summary.json`` of a completed run; final loss and top-1 are means over its last 10 log lines."""
+    """``training_summary.json`` of a completed run; final loss and top-1 are means over its last 10 log lines.
+    A decay branch is complete at its own last step: ``steps`` of the plan's ``plan_steps`` batches."""
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line]
     recent = lines[-10:]
+    trained = plan[:progress.step]
     return {
         "complete": True,
         "method": cfg.method,
         "num_heads": cfg.num_heads,
-        "steps": len(plan),
+        "steps": len(trained),
+        "plan_steps": len(plan),
         "assistant_tokens": progress.tokens_seen,
-        "planned_assistant_tokens": sum(assistant_tokens(cache.conversations[i]) for batch in plan for i in batch),
+        "planned_assistant_tokens": sum(assistant_tokens(cache.conversations[i]) for batch in trained for i in batch),
         "max_tokens": cfg.max_tokens,
         "epochs": cfg.epochs,
         "wall_time_s": round(progress.elapsed, 1),
@@ -554,8 +562,16 @@ def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progre
                   "source": cache.index.get("source", "")},
         "target_fingerprint": cache.index["target_fingerprint"],
         "config": dataclasses.asdict(cfg),
-        "command": "python training/train.py " + " ".join(sys.argv[1:]) if sys.argv and "train.py" in sys.argv[0] else None,
+        "command": _command_line(),
     }
+
+
+def _command_line() -> str | None:
+    """The training/ command that ran (train.py, or decay_branch.py for a branch); None when called otherwise."""
+    script = Path(sys.argv[0]) if sys.argv else None
+    if script is None or script.parent.name != "training":
+        return None
+    return f"python training/{script.name} " + " ".join(sys.argv[1:])
 
 
 def _epoch_choice(eval_log: Path) -> dict:
@@ -592,7 +608,7 @@ def _add_head_options(parser: argparse.ArgumentParser, fields: dict) -> None:
                         help="multi-layer features (EAGLE-3; docs/drafter.md#multi-layer-features): the Augmenting "
                              "Block reads a learned fusion of these target layers' inputs instead of the last "
                              "layer's input alone; eagle3: a low, a middle and the last layer. Needs --features "
-                             "online or a .jsonl --cache; engines: torch backend only for now")
+                             "online or a .jsonl --cache; every backend and engine runs such heads")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
