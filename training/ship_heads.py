@@ -103,10 +103,11 @@ def starting_point_section(init: str, init_card: str) -> list[str]:
             "it held before): the training above continued those heads. How they were trained:", "", *kept, ""]
 
 
-def model_card(name: str, summary: dict, data: dict | None, report: dict | None, commands: str | None,
+def model_card(name: str, run: Path, summary: dict, data: dict | None, report: dict | None, commands: str | None,
                init_card: str | None = None) -> str:
     cfg = summary["config"]
     method = summary["method"]
+    layers = json.loads((run / "config.json").read_text()).get("feature_layers")  # resolved: "eagle3" -> layers
     hours, rest = divmod(int(summary["wall_time_s"]), 3600)
     lines = [
         f"# {name}: {method} draft heads for SmolLM2-135M-Instruct", "",
@@ -124,7 +125,8 @@ def model_card(name: str, summary: dict, data: dict | None, report: dict | None,
         f"| assistant tokens trained on (loss positions) | {summary['assistant_tokens']:,} |",
         f"| optimizer steps | {summary['steps']:,} |",
         f"| epochs | {epochs_trained(summary)} |",
-        f"| wall time | {hours} h {rest // 60} min ({summary['wall_time_s']:.0f} s) |",
+        f"| wall time (the run's clock: time sharing the cores or paused by `kill -STOP` counts) | {hours} h "
+        f"{rest // 60} min ({summary['wall_time_s']:.0f} s) |",
         f"| hardware | {summary['hardware']}, torch {summary['torch']} |",
         f"| optimizer | AdamW (β {cfg['beta1']}, {cfg['beta2']}), lr {cfg['lr']}, cosine decay, "
         f"warmup {cfg['warmup_steps'] if cfg['warmup_steps'] is not None else '3% of steps'}, "
@@ -137,8 +139,9 @@ def model_card(name: str, summary: dict, data: dict | None, report: dict | None,
            if cfg.get("topk_weight") else "") + " |",
         *([f"| token path | {cfg['token_path']} (docs/drafter.md#token-path) |"]
           if method == "clover" and cfg.get("token_path") else []),
-        *([f"| features | the inputs of target layers {cfg['feature_layers']}, fused (EAGLE-3; "
-           "docs/drafter.md#multi-layer-features) |"] if cfg.get("feature_layers") else []),
+        *([f"| features | `--feature-layers {cfg['feature_layers']}`: the inputs of target layers "
+           f"{', '.join(map(str, layers))}, fused (EAGLE-3; docs/drafter.md#multi-layer-features) |"]
+          if layers else []),
         f"| precision | {'bf16 autocast (fp32 weights, loss and optimizer)' if cfg.get('autocast') == 'bf16' else 'fp32'};"
         " shipped as fp16 |",
         f"| final training loss / head top-1 (last 10 logged steps) | {summary['final_loss']:.3f} / "
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.run / DRAFT_VOCAB_FILE).exists():  # config.json's draft_vocab_size needs it (docs/drafter.md)
         shutil.copy2(args.run / DRAFT_VOCAB_FILE, tmp / DRAFT_VOCAB_FILE)
     (tmp / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (tmp / "README.md").write_text(model_card(args.name, summary, data, report, commands, init_card))
+    (tmp / "README.md").write_text(model_card(args.name, args.run, summary, data, report, commands, init_card))
     shutil.rmtree(args.output, ignore_errors=True)
     tmp.rename(args.output)
     size = sum(f.stat().st_size for f in args.output.iterdir())
