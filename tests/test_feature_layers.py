@@ -103,8 +103,9 @@ def test_multi_layer_heads_round_trip_and_old_heads_directories_load(tmp_path):
     config_path.write_text(json.dumps(config))
     old = load_drafter(tmp_path / "old", target)
     assert old.config.feature_layers is None and old.feature_fuse is None
-    for shipped in ("clover", "medusa"):  # the shipped heads' config.json predates it
-        assert DrafterConfig.load(ASSETS / shipped / "config.json").feature_layers is None
+    # the shipped Clover heads read EAGLE-3's layers (docs/demo.md#shipped-heads), the Medusa baseline none
+    assert DrafterConfig.load(ASSETS / "clover" / "config.json").feature_layers == resolve_feature_layers("eagle3", 30)
+    assert DrafterConfig.load(ASSETS / "medusa" / "config.json").feature_layers is None
 
 
 def test_config_checks():
