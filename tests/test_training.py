@@ -569,7 +569,7 @@ def test_decay_branch_anneals_from_a_run_s_checkpoint_and_leaves_the_run_alone(t
     run_state = torch.load(tmp_path / "run" / train_mod.STATE_FILE, weights_only=False)
 
     summary = decay_branch.branch(tmp_path / "run", tmp_path / "branch", steps=2, target=target, progress=False)
-    assert summary["complete"] and (summary["steps"], summary["plan_steps"]) == (5, planned)
+    assert summary["complete"] and (summary["steps"], summary["planned_steps"]) == (5, planned)
     assert (summary["config"]["decay_from"], summary["config"]["decay_steps"]) == (3, 2)
     assert json.loads((tmp_path / "branch" / train_mod.SUMMARY_FILE).read_text())["steps"] == 5
     assert load_drafter(tmp_path / "branch", target).config.method == cfg.method
@@ -1073,7 +1073,7 @@ def test_model_card_says_whether_the_answers_were_distilled_or_teacher_forced(tm
         assert section[2].startswith(first_words) and "6 answer tokens and 4 prompt tokens" in section[2]
         assert "The heads saw" not in section[2]
     # heads that saw part of the file (a decay branch's first steps of the plan) say how much, and which steps
-    part = {"assistant_tokens": 3, "steps": 25, "plan_steps": 100, "epochs": 2}
+    part = {"assistant_tokens": 3, "steps": 25, "planned_steps": 100, "epochs": 2}
     assert "The heads saw 3 of these answer tokens (50%)" in ship_heads.data_section(ship_heads.data_counts(path),
                                                                                      part)[2]
     assert ship_heads.epochs_trained(part) == "0.50: the first 25 of the 100 steps of a 2-epoch plan"

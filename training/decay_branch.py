@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = info["config"]
     print(f"{args.output}: {info['method']} heads annealed from step {cfg['decay_from']} over {cfg['decay_steps']} "
-          f"steps, at step {info['steps']} of {info['plan_steps']} ({info['assistant_tokens']:,} assistant tokens)")
+          f"steps, at step {info['steps']} of {info['planned_steps']} ({info['assistant_tokens']:,} assistant tokens)")
     return 0
 
 

@@ -157,17 +157,18 @@ def model_card(name: str, run: Path, summary: dict, data: dict | None, report: d
     if commands:
         lines += ["## Reproduce", "", "```bash", commands.strip(), "```", ""]
     lines += ["## Limits", "",
-              f"Trained on {summary['assistant_tokens']:,} answer tokens ({summary['hardware']}): far less data than the paper's drafters see. Accuracy and speed-up on other kinds of text may be "
-              "lower. The heads never change the output, only how many tokens each target pass yields.", ""]
+              f"Trained on {summary['assistant_tokens']:,} answer tokens ({summary['hardware']}): far less data "
+              "than the paper's drafters see. Accuracy and speed-up on other kinds of text may be lower. "
+              "The heads never change the output, only how many tokens each target pass yields.", ""]
     return "\n".join(lines)
 
 
 def epochs_trained(summary: dict) -> str:
     """The epochs row: the planned count, or the share of the plan a decay branch (or a paused plan) trained."""
-    steps, plan_steps = summary["steps"], summary.get("plan_steps", summary["steps"])
-    if steps >= plan_steps:
+    steps, planned = summary["steps"], summary.get("planned_steps", summary["steps"])
+    if steps >= planned:
         return str(summary["epochs"])
-    return (f"{summary['epochs'] * steps / plan_steps:.2f}: the first {steps:,} of the {plan_steps:,} steps of a "
+    return (f"{summary['epochs'] * steps / planned:.2f}: the first {steps:,} of the {planned:,} steps of a "
             f"{summary['epochs']}-epoch plan")
 
 

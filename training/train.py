@@ -536,7 +536,7 @@ def _show_progress(bar, window: list[dict], num_heads: int, tokens_seen: int) ->
 def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progress: Progress, device: torch.device,
              log_path: Path, world_size: int = 1) -> dict:
     """``training_summary.json`` of a completed run; final loss and top-1 are means over its last 10 log lines.
-    A decay branch is complete at its own last step: ``steps`` of the plan's ``plan_steps`` batches."""
+    A decay branch is complete at its own last step: ``steps`` of the plan's ``planned_steps`` batches."""
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line]
     recent = lines[-10:]
     trained = plan[:progress.step]
@@ -545,7 +545,7 @@ def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progre
         "method": cfg.method,
         "num_heads": cfg.num_heads,
         "steps": len(trained),
-        "plan_steps": len(plan),
+        "planned_steps": len(plan),  # as in a paused run's summary
         "assistant_tokens": progress.tokens_seen,
         "planned_assistant_tokens": sum(assistant_tokens(cache.conversations[i]) for batch in trained for i in batch),
         "max_tokens": cfg.max_tokens,
