@@ -592,6 +592,47 @@ def test_decay_branch_anneals_from_a_run_s_checkpoint_and_leaves_the_run_alone(t
     assert run_dir_mod.run_digest(tmp_path / "branch") == digest
 
 
+def test_a_run_continued_from_shipped_heads_goes_on_with_the_batches_they_did_not_see(tiny, cache_dir, tmp_path):
+    """--continue-from: heads that a finished branch wrote (all a later session keeps of a run) start a run at
+    the plan's step they reached, on the batches they have not seen, the fresh optimizer's rate climbing back
+    to the schedule's; heads from another plan are refused."""
+    from training import decay_branch
+
+    target = tiny["target"]
+    cfg = tiny_config(cache_dir, tmp_path / "run", epochs=2, save_every=1000, min_lr_ratio=0.1)
+    planned = train_mod.train(dataclasses.replace(cfg, stop_at=3), target=target)["planned_steps"]
+    decay_branch.branch(tmp_path / "run", tmp_path / "shipped", steps=1, target=target, progress=False)  # to step 4
+
+    parsed = train_mod.parse_args(["--method", "clover", "--cache", str(cache_dir), "--output", "x",
+                                   "--continue-from", str(tmp_path / "shipped"), "--rewarm-steps", "2"])
+    assert (parsed.init, parsed.start_step, parsed.rewarm_steps) == (str(tmp_path / "shipped"), 4, 2)
+    continued_cfg = dataclasses.replace(cfg, output=str(tmp_path / "continued"), init=parsed.init, start_step=4,
+                                        rewarm_steps=2, stop_at=7)
+    continued = train_mod.train(continued_cfg, target=target)
+    unbroken = train_mod.train(dataclasses.replace(cfg, stop_at=7), target=target)  # the run itself, on to step 7
+    assert (continued["steps"], continued["assistant_tokens"]) == (7, unbroken["assistant_tokens"])
+    log = [json.loads(line) for line in (tmp_path / "continued" / train_mod.LOG_FILE).read_text().splitlines()]
+    assert [r["step"] for r in log] == [5, 6, 7]  # steps 1-4 were the shipped heads' own
+    schedule = [train_mod.lr_at(s, planned, 3e-3, 1, 0.1) for s in (4, 5, 6)]
+    assert [r["lr"] for r in log] == pytest.approx([schedule[0] / 2, schedule[1], schedule[2]])
+
+    other_seed = dataclasses.replace(continued_cfg, seed=1, output=str(tmp_path / "other"))
+    convs = cache_mod.HiddenCache(cache_dir).conversations
+    first_four = [batches_mod.make_plan(convs, 160, epochs=2, seed=seed)[:4] for seed in (0, 1)]
+    assert first_four[0] != first_four[1]  # the seeds order the batches differently
+    with pytest.raises(ConfigError, match="another data file, seed or batch plan"):
+        train_mod.train(other_seed, target=target)
+    summary_path = tmp_path / "shipped" / train_mod.SUMMARY_FILE  # heads from before the digest: answer tokens
+    summary_path.write_text(json.dumps({k: v for k, v in json.loads(summary_path.read_text()).items()
+                                        if k != "trained_batches_digest"}))
+    wrong_step = dataclasses.replace(continued_cfg, start_step=3, output=str(tmp_path / "wrong-step"))
+    with pytest.raises(ConfigError, match="another data file, seed or batch plan"):
+        train_mod.train(wrong_step, target=target)
+    with pytest.raises(SystemExit):  # heads with no training summary: the data they saw is unknown
+        train_mod.parse_args(["--method", "clover", "--cache", str(cache_dir), "--output", "x",
+                              "--continue-from", str(tmp_path / "run")])
+
+
 def test_token_budget_is_the_same_for_every_method(cache_dir):
     convs = cache_mod.HiddenCache(cache_dir).conversations
     plan = batches_mod.make_plan(convs, 160, epochs=3, seed=0, max_tokens=100)
@@ -1078,6 +1119,12 @@ def test_model_card_says_whether_the_answers_were_distilled_or_teacher_forced(tm
                                                                                      part)[2]
     assert ship_heads.epochs_trained(part) == "0.50: the first 25 of the 100 steps of a 2-epoch plan"
     assert ship_heads.epochs_trained(dict(part, steps=100)) == "2"
+    # heads continued from earlier heads (--continue-from): the counts include theirs, and the card says so
+    earlier = "# old\n\n## Training\n\n| steps | 275 |\n\n## Limits\n\nnone\n"
+    section = "\n".join(ship_heads.starting_point_section("old", earlier, start_step=275))
+    assert "at step 275 of the same plan" in section and "include the batches" in section
+    assert "| steps | 275 |" in section and "none" not in section  # their Training, not their Limits
+    assert ship_heads.continuation_note({}) == ""
 
 
 def test_paired_tau_counts_per_question_wins_and_an_exact_sign_test(tmp_path):

@@ -88,19 +88,24 @@ def data_section(data: dict, summary: dict | None = None) -> list[str]:
     return lines + [""]
 
 
-def starting_point_section(init: str, init_card: str) -> list[str]:
-    """A fine-tuned run's starting heads (``train.py --init``): their own card's Training and Data sections, and
-    their own Starting point where they were fine-tuned too, one heading level down, so the card accounts for all
-    the data the heads have seen along a chain of fine-tunes."""
+def starting_point_section(init: str, init_card: str, start_step: int = 0) -> list[str]:
+    """A fine-tuned or continued run's starting heads (``train.py --init`` / ``--continue-from``): their own card's
+    Training and Data sections, and their own Starting point where they were fine-tuned too, one heading level
+    down, so the card accounts for all the data the heads have seen along a chain of runs."""
     kept, keep = [], False
     for line in init_card.splitlines():
         if line.startswith("## "):
             keep = line[3:].strip() in ("Training", "Data", "Starting point")
         if keep:
             kept.append("#" + line if line.startswith("#") else line)
-    return ["## Starting point", "",
-            f"These heads were fine-tuned from `{init}` (`train.py --init`; where that is this folder, the heads "
-            "it held before): the training above continued those heads. How they were trained:", "", *kept, ""]
+    if start_step:
+        origin = (f"These heads continued `{init}` (`train.py --continue-from`; where that is this folder, the heads "
+                  f"it held before) at step {start_step:,} of the same plan: the counts above include the batches "
+                  "those heads trained on. Their own card:")
+    else:
+        origin = (f"These heads were fine-tuned from `{init}` (`train.py --init`; where that is this folder, the "
+                  "heads it held before): the training above continued those heads. How they were trained:")
+    return ["## Starting point", "", origin, "", *kept, ""]
 
 
 def model_card(name: str, run: Path, summary: dict, data: dict | None, report: dict | None, commands: str | None,
@@ -130,7 +135,7 @@ def model_card(name: str, run: Path, summary: dict, data: dict | None, report: d
         f"| hardware | {summary['hardware']}, torch {summary['torch']} |",
         f"| optimizer | AdamW (β {cfg['beta1']}, {cfg['beta2']}), lr {cfg['lr']}, cosine decay, "
         f"warmup {cfg['warmup_steps'] if cfg['warmup_steps'] is not None else '3% of steps'}, "
-        f"clip {cfg['grad_clip']}, weight decay {cfg['weight_decay']}{decay_branch_note(cfg)} |",
+        f"clip {cfg['grad_clip']}, weight decay {cfg['weight_decay']}{continuation_note(cfg)}{decay_branch_note(cfg)} |",
         f"| batches | {cfg['batch_tokens']} padded tokens, length buckets of {cfg['bucket_size']}, seed {cfg['seed']} |",
         f"| labels | {cfg.get('labels', 'hard')}"
         + (f"; the heads score a draft vocabulary of the {cfg['draft_vocab_size']:,} most frequent tokens"
@@ -151,7 +156,7 @@ def model_card(name: str, run: Path, summary: dict, data: dict | None, report: d
     if data is not None:
         lines += data_section(data, summary)
     if init_card:
-        lines += starting_point_section(cfg["init"], init_card)
+        lines += starting_point_section(cfg["init"], init_card, cfg.get("start_step", 0))
     if report is not None:
         lines += ["## Evaluation", "", eval_markdown(report).strip(), "", mtbench_markdown(report).strip(), ""]
     if commands:
@@ -170,6 +175,14 @@ def epochs_trained(summary: dict) -> str:
         return str(summary["epochs"])
     return (f"{summary['epochs'] * steps / planned:.2f}: the first {steps:,} of the {planned:,} steps of a "
             f"{summary['epochs']}-epoch plan")
+
+
+def continuation_note(cfg: dict) -> str:
+    """How a run continued from earlier heads (``train.py --continue-from``) began; empty for any other run."""
+    if not cfg.get("start_step"):
+        return ""
+    return (f"; continued at step {cfg['start_step']:,} from earlier heads of the plan (`--continue-from`) with a "
+            f"fresh optimizer, its rate re-warmed over {cfg['rewarm_steps']} steps; the wall time is this part's")
 
 
 def decay_branch_note(cfg: dict) -> str:

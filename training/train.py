@@ -140,11 +140,18 @@ class TrainConfig:
     stop_at: int | None = None            # pause after this step (checkpoint, no final heads); the schedule is the plan's
     decay_from: int | None = None         # a decay branch (training/decay_branch.py) anneals from this step ...
     decay_steps: int = 0                  # ... to the floor (min_lr_ratio) over this many steps
+    start_step: int = 0                   # --continue-from: the plan's step the --init heads reached (data skipped) ...
+    rewarm_steps: int = 0                 # ... and the steps the fresh optimizer's rate climbs back to the plan's over
 
     # fields that may differ between a run and its resumption (none changes the weights beyond float rounding)
     RESUME_FREE = ("save_every", "save_minutes", "log_every", "device", "threads", "progress", "output", "cache", "target",
                    "eval_cache", "eval_every", "eval_conversations", "eval_epochs", "features", "target_dtype", "grad_accum",
                    "grad_checkpoint", "stop_at")
+
+    @property
+    def restart(self) -> tuple[int, int] | None:
+        """``(start_step, rewarm_steps)`` of a run continued from earlier heads, else None (:func:`lr_at`)."""
+        return (self.start_step, max(1, self.rewarm_steps)) if self.start_step else None
 
     @property
     def decay(self) -> tuple[int, int] | None:
@@ -175,6 +182,8 @@ class TrainConfig:
             del key["feature_layers"]
         if self.decay_from is None:  # likewise for runs that are not decay branches
             del key["decay_from"], key["decay_steps"]
+        if not self.start_step:  # likewise for runs that are not continuations
+            del key["start_step"], key["rewarm_steps"]
         return key
 
 
@@ -187,11 +196,15 @@ class Interrupted(Exception):
 
 
 def lr_at(step: int, total: int, base: float, warmup: int, min_ratio: float,
-          decay: tuple[int, int] | None = None) -> float:
+          decay: tuple[int, int] | None = None, restart: tuple[int, int] | None = None) -> float:
     """The learning rate of 0-based ``step``: linear warmup, then a cosine from ``base`` down to
     ``base * min_ratio`` at the plan's last step. ``decay = (from_step, steps)``: a decay branch leaves that
     schedule at ``from_step`` and anneals, also along a cosine, from its rate there to the same floor in
-    ``steps`` steps (docs/drafter.md#training-at-scale-and-exact-resume)."""
+    ``steps`` steps (docs/drafter.md#training-at-scale-and-exact-resume). ``restart = (start_step, steps)``:
+    a continued run's optimizer starts empty at ``start_step``, so its rate climbs linearly to the schedule's
+    over ``steps`` steps, as at any start (docs/drafter.md#training-at-scale-and-exact-resume)."""
+    if restart is not None and restart[0] <= step < restart[0] + restart[1]:
+        return lr_at(step, total, base, warmup, min_ratio, decay) * (step - restart[0] + 1) / restart[1]
     if decay is not None and step >= decay[0]:
         start, floor = lr_at(decay[0], total, base, warmup, min_ratio), base * min_ratio
         done = min(1.0, (step - decay[0] + 1) / decay[1])  # 1 at the branch's last step: the floor
@@ -384,6 +397,8 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
     if cfg.token_path == "scaled" and not cfg.init:  # the learned token scale starts at the data's root-state norm
         calibrate_token_scale(trainer.drafter, _root_state_sample(cache))
     progress = trainer.load_state(out / STATE_FILE, plan_digest(plan))
+    if progress.step < cfg.start_step:  # a continuation's first start: the --init heads saw plan[:start_step]
+        progress = continued_progress(cfg, cache, plan)
     if dist.is_main:
         drop_log_lines_after(out / LOG_FILE, progress.step)
         drop_log_lines_after(out / EVAL_LOG_FILE, progress.step)
@@ -399,6 +414,29 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
         summary = _summary(cfg, cache, plan, progress, device, out / LOG_FILE, dist.world_size)
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return dist.broadcast(summary)
+
+
+def continued_progress(cfg: TrainConfig, cache, plan: list[list[int]]) -> Progress:
+    """Where a run continued from earlier heads (``--continue-from``) starts: after the batches those heads
+    saw, which must be this plan's first ``start_step`` (their summary's digest of them; for heads written before
+    the digest, the answer tokens in them)."""
+    seen = plan[:cfg.start_step]
+    tokens = int(sum(assistant_tokens(cache.conversations[i]) for batch in seen for i in batch))
+    earlier = read_training_summary(Path(cfg.init))
+    same = (earlier["trained_batches_digest"] == plan_digest(seen) if "trained_batches_digest" in earlier
+            else earlier.get("assistant_tokens") == tokens)
+    if not same:
+        raise ConfigError(f"--continue-from {cfg.init}: its heads did not train on this run's first {cfg.start_step} "
+                          "batches: another data file, seed or batch plan (--batch-tokens, --epochs, --bucket-size)")
+    return Progress(cfg.start_step, tokens, 0.0)
+
+
+def read_training_summary(heads_dir: Path) -> dict:
+    path = heads_dir / SUMMARY_FILE
+    if not path.exists():
+        raise ConfigError(f"{heads_dir}: no {SUMMARY_FILE}, so the data its heads saw is unknown (heads that "
+                          "train.py or decay_branch.py wrote have one)")
+    return json.loads(path.read_text())
 
 
 def _capture_layers(cfg: TrainConfig, target) -> tuple[int, ...]:
@@ -438,7 +476,7 @@ def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], pro
                dynamic_ncols=True, desc=cfg.method)
     t0, memory = time.monotonic(), 0.0  # memory: peak MB since the last log line
     while progress.step < end:
-        lr = lr_at(progress.step, total_steps, cfg.lr, warmup, cfg.min_lr_ratio, cfg.decay)
+        lr = lr_at(progress.step, total_steps, cfg.lr, warmup, cfg.min_lr_ratio, cfg.decay, cfg.restart)
         stats, grad_norm = trainer.step(feeder.micro_batches(plan[progress.step]), lr, feeder.prepare)
         memory = max(memory, peak_memory_mb(trainer.device))
         progress.step += 1
@@ -548,6 +586,7 @@ def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progre
         "planned_steps": len(plan),  # as in a paused run's summary
         "assistant_tokens": progress.tokens_seen,
         "planned_assistant_tokens": sum(assistant_tokens(cache.conversations[i]) for batch in trained for i in batch),
+        "trained_batches_digest": plan_digest(trained),  # which batches: --continue-from checks it
         "max_tokens": cfg.max_tokens,
         "epochs": cfg.epochs,
         "wall_time_s": round(progress.elapsed, 1),
@@ -599,6 +638,15 @@ def _add_head_options(parser: argparse.ArgumentParser, fields: dict) -> None:
                              "clover/assets/smollm2-135m-instruct/clover) instead of a fresh initialisation: "
                              "fine-tuning on new data. Same method and number of heads; the run's own "
                              "--draft-vocab applies. Default: a fresh initialisation")
+    parser.add_argument("--continue-from", metavar="DIR", default=None,
+                        help="go on with heads that an earlier run of this same recipe and data wrote (e.g. the "
+                             "shipped clover/assets/smollm2-135m-instruct/clover, whose training_summary.json says "
+                             "how many steps they saw): start from their weights at that step of the plan, on the "
+                             "batches they have not seen, with a fresh optimizer whose rate climbs back over "
+                             "--rewarm-steps (docs/drafter.md#training-at-scale-and-exact-resume). For sessions that keep "
+                             "only shipped heads, not checkpoints; a checkpoint resumes exactly instead")
+    parser.add_argument("--rewarm-steps", type=int, default=20,
+                        help="with --continue-from: steps of linear warmup for the fresh optimizer (default %(default)s)")
     parser.add_argument("--token-path", choices=TOKEN_PATHS, default="residual",
                         help="how the regressive step mixes its given token into the state (docs/drafter.md#token-"
                              "path): residual (the paper's: h + gate * Wv e, e unit-norm), normed (the same on the "
@@ -676,6 +724,15 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     args = parser.parse_args(argv)
     values = {k: v for k, v in vars(args).items() if k in fields}
     values["progress"] = not args.no_progress
+    if args.continue_from:
+        if args.init:
+            parser.error("--continue-from already starts from its heads; drop --init")
+        try:
+            start_step = read_training_summary(Path(args.continue_from))["steps"]
+        except ConfigError as exc:
+            parser.error(f"--continue-from: {exc}")
+        values.update(init=args.continue_from, start_step=start_step)
+    values["rewarm_steps"] = args.rewarm_steps if args.continue_from else 0
     return TrainConfig(**values)
 
 
