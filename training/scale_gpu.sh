@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35's recipe on one GPU (docs/results/heads-scale/README.md#4-one-epoch-on-a-gpu): training/configs/scale.json
+# Issue 35's recipe on one GPU (docs/results/heads-scale/README.md#5-one-epoch-on-a-gpu): training/configs/scale.json
 # for Clover and its Medusa twin (residual token path, last-layer features) side by side on the same GPU, each
 # stopped after DEADLINE seconds (0: the whole epoch) and annealed in a decay branch (training/decay_branch.py),
 # so both end with heads to evaluate and ship:
