@@ -421,7 +421,7 @@ def continued_progress(cfg: TrainConfig, cache, plan: list[list[int]]) -> Progre
     saw, which must be this plan's first ``start_step`` (their summary's digest of them; for heads written before
     the digest, the answer tokens in them)."""
     seen = plan[:cfg.start_step]
-    tokens = int(sum(assistant_tokens(cache.conversations[i]) for batch in seen for i in batch))
+    tokens = answer_tokens(cache, seen)
     earlier = read_training_summary(Path(cfg.init))
     same = (earlier["trained_batches_digest"] == plan_digest(seen) if "trained_batches_digest" in earlier
             else earlier.get("assistant_tokens") == tokens)
@@ -429,6 +429,11 @@ def continued_progress(cfg: TrainConfig, cache, plan: list[list[int]]) -> Progre
         raise ConfigError(f"--continue-from {cfg.init}: its heads did not train on this run's first {cfg.start_step} "
                           "batches: another data file, seed or batch plan (--batch-tokens, --epochs, --bucket-size)")
     return Progress(cfg.start_step, tokens, 0.0)
+
+
+def answer_tokens(cache, batches: list[list[int]]) -> int:
+    """The assistant (loss) tokens in these batches of conversation indices."""
+    return int(sum(assistant_tokens(cache.conversations[i]) for batch in batches for i in batch))
 
 
 def read_training_summary(heads_dir: Path) -> dict:
@@ -480,7 +485,7 @@ def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], pro
         stats, grad_norm = trainer.step(feeder.micro_batches(plan[progress.step]), lr, feeder.prepare)
         memory = max(memory, peak_memory_mb(trainer.device))
         progress.step += 1
-        progress.tokens_seen += int(sum(assistant_tokens(cache.conversations[i]) for i in plan[progress.step - 1]))
+        progress.tokens_seen += answer_tokens(cache, [plan[progress.step - 1]])
         top1 = [h / c if c else 0.0 for h, c in zip(stats["hits"][1], stats["count"])]
         window = (window + [{"loss": stats["loss"], "top1": top1}])[-20:]
         _show_progress(bar, window, cfg.num_heads, progress.tokens_seen)
@@ -585,7 +590,7 @@ def _summary(cfg: TrainConfig, cache: HiddenCache, plan: list[list[int]], progre
         "steps": len(trained),
         "planned_steps": len(plan),  # as in a paused run's summary
         "assistant_tokens": progress.tokens_seen,
-        "planned_assistant_tokens": sum(assistant_tokens(cache.conversations[i]) for batch in trained for i in batch),
+        "planned_assistant_tokens": answer_tokens(cache, trained),
         "trained_batches_digest": plan_digest(trained),  # which batches: --continue-from checks it
         "max_tokens": cfg.max_tokens,
         "epochs": cfg.epochs,
