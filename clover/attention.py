@@ -122,3 +122,40 @@ def tree_attention(
     probs = torch.nan_to_num(probs, nan=0.0)
     out = torch.einsum("bhts,bhsd->bthd", probs, values)
     return out.to(q.dtype)
+
+
+class InPlaceAttention:
+    """How a pass on a static device cache attends (docs/gpu-engine.md#attention): the in-flight tokens' K/V are
+    written into the cache at ``write_index``, then every query attends to the first ``kv_len`` cache positions
+    through ``visible``. Passed in place of the packed mask (``Attention.forward`` dispatches on it), so the
+    target, the Augmenting Block and a CUDA graph share one forward. Only tensor ops with static shapes: no value
+    leaves the device, so a pass can be captured in a CUDA graph.
+
+    Same semantics as :func:`tree_attention`: token t sees cache positions ``[0, past)`` and the in-flight tokens
+    whose bit is set in its tree row (``tests/test_device_step.py`` compares the two).
+    """
+
+    def __init__(self, past_lengths: torch.Tensor, tree_visible: torch.Tensor, kv_len: int) -> None:
+        """past_lengths int ``[B]`` on the cache's device; tree_visible bool ``[B, T, T]`` (a token's ancestors and
+        itself); kv_len: cache positions read, at least ``max(past) + T`` (the caller's bucket)."""
+        batch, num_tokens, _ = tree_visible.shape
+        past = past_lengths.to(torch.int64)
+        self.write_index = past[:, None] + torch.arange(num_tokens, device=past.device)  # [B, T]
+        offset = torch.arange(kv_len, device=past.device)[None, :] - past[:, None]  # [B, kv]: position - past
+        in_flight = (offset >= 0) & (offset < num_tokens)
+        column = offset.clamp(0, num_tokens - 1)[:, None, :].expand(batch, num_tokens, kv_len)
+        tree = tree_visible.gather(2, column) & in_flight[:, None, :]
+        self.visible = ((offset < 0)[:, None, :] | tree)[:, None]  # [B, 1, T, kv]
+        self.kv_len = kv_len
+
+    def attend(self, q, k, v, k_cache, v_cache, scale: float | None = None) -> torch.Tensor:
+        """q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]``, caches ``[B, Hkv, S, D]`` (written) -> ``[B, T, Hq, D]``."""
+        batch, num_tokens, num_kv_heads, head_dim = k.shape
+        index = self.write_index[:, None, :, None].expand(batch, num_kv_heads, num_tokens, head_dim)
+        k_cache.scatter_(2, index, k.transpose(1, 2).to(k_cache.dtype))
+        v_cache.scatter_(2, index, v.transpose(1, 2).to(v_cache.dtype))
+        keys, values = k_cache[:, :, : self.kv_len], v_cache[:, :, : self.kv_len]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=self.visible, scale=scale,
+            enable_gqa=q.shape[2] != num_kv_heads)
+        return out.transpose(1, 2)

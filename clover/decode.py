@@ -278,8 +278,17 @@ class SpeculativeDecoder:
             raise ConfigError("method 'suffix' drafts with the suffix proposer: it needs a dynamic tree and "
                               f"proposer 'suffix' (got proposer={self.tree.proposer!r}"
                               f"{', a static tree' if self.tree.static_choices is not None else ''})")
-        # model-free candidates, calibrated against the heads' per depth (docs/trees.md#model-free-candidates)
-        self.suffix_on = method != "vanilla" and self.tree.suffix_candidates and self.tree.budget > 0
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
+                             device=spec.device)
+        # an engine that runs whole steps on the device (docs/gpu-engine.md); greedy head and vanilla steps only
+        self.device_stepper = self._device_stepper(engine, method)
+        # model-free candidates, calibrated against the heads' per depth (docs/trees.md#model-free-candidates);
+        # not yet merged into trees built on the device, so off there (docs/gpu-engine.md#limits)
+        self.suffix_on = (method != "vanilla" and self.tree.suffix_candidates and self.tree.budget > 0
+                          and self.device_stepper is None)
         self.calibration = (SourceCalibration(max(self.tree.proposer_depth, spec.num_draft_heads))
                             if self.suffix_on else None)
         self.shared_suffix = None  # over earlier requests' outputs (TreeConfig.shared_suffix_tokens)
@@ -292,11 +301,6 @@ class SpeculativeDecoder:
             deepest_rank = max(max(p) for p in self.tree.static_choices)
             if deepest_rank >= spec.draft_top_k:
                 raise ConfigError(f"static tree needs rank {deepest_rank}, the engine's draft top-k is {spec.draft_top_k}")
-        self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
-                             device=spec.device)
         self.draft_cache = self._new_draft_cache()
         self._ids = itertools.count()
         self._pending: list[_Sequence] = []
@@ -306,6 +310,14 @@ class SpeculativeDecoder:
         max_tree = len(self.tree.static_choices) if self.tree.static_choices is not None else self.tree.budget
         self._max_step_tokens = 1 + (max_tree if method != "vanilla" else 0)
         self._heads = uses_heads(method)
+
+    def _device_stepper(self, engine: Engine, method: str):
+        """The engine's device stepper where it has one and the method's steps can run there (heads' dynamic
+        trees or vanilla; not suffix, not clover2's second cache, not static trees); else None."""
+        factory = getattr(engine, "device_stepper", None)  # a capability of the engine, not every backend's
+        if factory is None or method in ("suffix", "clover2") or self.tree.static_choices is not None:
+            return None
+        return factory(self.cache, self.max_batch_size)
 
     def _new_draft_cache(self) -> KVCache | None:
         """The drafter's own KV cache (``clover2``), shaped like the target's; None for the other methods."""
@@ -417,6 +429,8 @@ class SpeculativeDecoder:
                     self.shared_suffix.add(self._running[row].generated)
         if rows:
             order = self.cache.remove_rows(rows)
+            if self.device_stepper is not None:  # its root states are per row too
+                self.device_stepper.reorder(order)
             if self.draft_cache is not None:  # the same compaction: rows stay aligned with the target cache
                 self.draft_cache.remove_rows(rows)
             self._running = [self._running[i] for i in order]
@@ -479,6 +493,11 @@ class SpeculativeDecoder:
         tree = self.tree
         if self.adaptive is not None:  # this step's heads' budget, from the live batch size (0: no draft steps)
             tree = dataclasses.replace(tree, budget=self.adaptive.choose(len(seqs)))
+        if self.device_stepper is not None:
+            device_events = self._device_decode_step(seqs, tree, started)
+            if device_events is not None:
+                return events + device_events
+            self._roots_to_host(seqs)
         batch = self._build_trees(seqs, tree)
         past = self.cache.lengths_array.copy()  # int32 [n]; NumPy: docs/trees.md#host-work-per-step
         k_cache, v_cache = self.cache.views()
@@ -514,6 +533,45 @@ class SpeculativeDecoder:
                                        tree_tokens=batch.input_ids.shape[1])  # every row runs at the widest tree
         self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
         return events
+
+    def _device_decode_step(self, seqs: list[_Sequence], tree: TreeConfig, started: float) -> list[StepEvent] | None:
+        """One step on the device for every live sequence (docs/gpu-engine.md); None where it cannot run there:
+        a sequence samples, or no batch bucket holds the batch."""
+        if any(not s.request.sampling.greedy for s in seqs):
+            return None
+        spec = self.engine.spec
+        depth = min(self.tree.depth or spec.num_draft_heads, spec.num_draft_heads) if self._heads else 0
+        shape = self.device_stepper.shape(len(seqs), tree.budget if self._heads else 0, depth,
+                                    min(self.tree.top_k, spec.draft_top_k))
+        if shape is None:
+            return None
+        for row, seq in enumerate(seqs):  # a root state the host holds (after a prefill or a host step)
+            if seq.root_hidden is not None:
+                self.device_stepper.load_root(row, seq.root_hidden)
+                seq.root_hidden = None
+        rows = self.device_stepper.step(shape, [s.root_token for s in seqs])
+        width = shape.path_width
+        counts, depths = rows[:, width].tolist(), rows[:, width + 1].tolist()
+        self.cache.advance(counts)
+        events = []
+        for seq, row, count, depth_reached in zip(seqs, rows.tolist(), counts, depths):
+            tokens = row[:count]
+            step_counts = seq.stats.record(shape.tree_tokens, depth_reached, Accepted(list(range(count)), tokens))
+            seq.root_token = tokens[-1]
+            events.append(self._event(seq, seq.emit(tokens), step_counts))
+        if self.adaptive is not None:
+            self.adaptive.observe(tree.budget, [count - 1 for count in counts])
+            if self.adaptive.step_timing:
+                self.adaptive.observe_time(len(seqs), tree.budget, time.perf_counter() - started,
+                                           sum(counts) / len(counts), tree_tokens=shape.tree_tokens)
+        self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
+        return events
+
+    def _roots_to_host(self, seqs: list[_Sequence]) -> None:
+        """Root states the device stepper holds, back on the host for a step the host runs."""
+        for row, seq in enumerate(seqs):
+            if seq.root_hidden is None:
+                seq.root_hidden = self.device_stepper.root_of(row)
 
     def _build_trees(self, seqs: list[_Sequence], tree: TreeConfig) -> TreeBatch:
         """Every sequence's tree at once, as buffers (docs/trees.md#host-work-per-step): the heads' draft at

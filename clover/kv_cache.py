@@ -89,6 +89,28 @@ class KVCache:
         return order[:live]
 
     @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value tensors ``[layers, capacity, Hkv, S_max, D]``: what a step on the device writes in
+        place (:mod:`clover.device_step`). A new pair after the cache grows (:meth:`reserve`)."""
+        return self._keys, self._values
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def reserve(self, capacity: int) -> None:
+        """Room for ``capacity`` rows without growing later (a CUDA graph keeps reading the same tensors)."""
+        if capacity > self._capacity:
+            self._grow(capacity)
+
+    def advance(self, counts) -> None:
+        """The live rows gained ``counts[r]`` tokens whose K/V the engine already committed in place, on the device."""
+        ends = self._lengths_array[: self.num_rows] + np.asarray(counts, dtype=np.int32)
+        if self.num_rows and int(ends.max()) > self.max_seq_len:
+            raise RuntimeError("KV cache overflow: a sequence is longer than max_seq_len")
+        self._lengths_array[: self.num_rows] = ends
+
+    @property
     def lengths(self) -> torch.Tensor:
         """int32 ``[num_rows]`` valid cached tokens per live row (a view)."""
         return self._lengths[: self.num_rows]

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from clover.attention import tree_attention
+from clover.attention import InPlaceAttention, tree_attention
 from clover.config import ConfigError, TargetConfig, read_json_file
 
 
@@ -62,7 +62,10 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = tree_attention(q, k, v, k_cache, v_cache, past_lengths, packed_mask)
+        if isinstance(packed_mask, InPlaceAttention):  # the device engine's static cache (docs/gpu-engine.md)
+            out = packed_mask.attend(q, k, v, k_cache, v_cache)
+        else:
+            out = tree_attention(q, k, v, k_cache, v_cache, past_lengths, packed_mask)
         out = self.o_proj(out.reshape(batch, num_tokens, self.num_heads * self.head_dim))
         return out, k.transpose(1, 2), v.transpose(1, 2)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from clover.backends.device import DeviceEngine
 from clover.backends.torch import TorchEngine
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.engine_contract import DraftPrefillResult, DraftResult, TargetResult
@@ -103,6 +104,54 @@ class Clover2OracleEngine(OracleEngine):
         shape = (*next_token.shape[:1], self.spec.num_kv_heads, next_token.shape[1], self.spec.head_dim)
         present = next_token.to(torch.float32)[:, None, :, None].expand(shape).contiguous()
         return DraftPrefillResult(hidden.clone(), [present], [present])
+
+
+class DeviceOracleEngine(DeviceEngine):
+    """:class:`OracleEngine` for the device step (docs/gpu-engine.md): a drafter that proposes the vanilla
+    continuation, written as tensor ops so the step stays on the device.
+
+    The prefill (on the host) stores each sequence's index in one extra KV layer; the device target reads it
+    back from there and sends (sequence, position) as ``h0``; ``draft_step`` looks up the continuation at the
+    next position in a table, as its top-1 (log-prob 0), the rest of its top-k at -20.
+    """
+
+    def __init__(self, target, prompts: list[list[int]], continuations: list[list[int]], num_heads: int = 3,
+                 top_k: int = 4, max_seq_len: int = 128) -> None:
+        super().__init__(target, None, max_seq_len=max_seq_len)
+        self.prompts = [tuple(p) for p in prompts]
+        full = [list(p) + list(c) for p, c in zip(prompts, continuations)]
+        width = max_seq_len + 2
+        self.table = torch.tensor([f + [0] * (width - len(f)) for f in full], device=self.device)
+        self.draft = self.device_draft  # the step drafts when the engine has a draft
+        self.spec = dataclasses.replace(self.spec, num_kv_layers=self.spec.num_kv_layers + 1,
+                                        num_draft_heads=num_heads, drafter_method="clover", draft_top_k=top_k)
+
+    def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
+        for b in range(input_ids.shape[0]):
+            if int(past_lengths[b]) == 0:  # a prefill: identify the sequence by its prompt
+                row = input_ids[b].tolist()
+                matching = [i for i, p in enumerate(self.prompts) if tuple(row[: len(p)]) == p]
+                k_cache[-1][b].fill_(max(matching, key=lambda i: len(self.prompts[i])))
+        return super().target(input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache)
+
+    def device_target(self, input_ids, position_ids, attention, k_cache, v_cache):
+        logits, _ = super().device_target(input_ids, position_ids, attention, k_cache[:-1], v_cache[:-1])
+        h0 = torch.zeros(*input_ids.shape, self.spec.hidden_size, device=self.device)
+        h0[..., 0] = k_cache[-1][:, 0, 0, 0][:, None]
+        h0[..., 1] = position_ids.float()
+        return logits, h0
+
+    def device_draft(self, hidden, token, head: int) -> DraftResult:
+        k = self.spec.draft_top_k
+        seq, position = hidden[:, 0].long(), hidden[:, 1].long()
+        right = self.table[seq, (position + 2).clamp(max=self.table.shape[1] - 1)]  # [N]
+        others = torch.arange(k - 1, device=self.device)[None, :]
+        others = others + (others >= right[:, None])  # the first k - 1 tokens that are not the right one
+        logprobs = torch.full((len(seq), k), -20.0, device=self.device)
+        logprobs[:, 0] = 0.0
+        next_hidden = hidden.clone()
+        next_hidden[:, 1] += 1
+        return DraftResult(next_hidden, logprobs, torch.cat([right[:, None], others], 1))
 
 
 def vanilla_greedy(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

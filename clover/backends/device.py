@@ -1,0 +1,193 @@
+"""The device engine: the torch backend with the whole decode step on the device, replayed from CUDA graphs
+(docs/gpu-engine.md).
+
+:class:`DeviceEngine` is a :class:`~clover.backends.torch.TorchEngine` whose target writes its K/V into the static
+cache in place (engine contract v3) and whose decode step runs as :func:`clover.device_step.decode_step`: draft
+loop, tree, target pass, acceptance, KV commit and the next roots all stay on the device, and the host reads back
+one ``[B, A + 2]`` int64 tensor per step. On a GPU each step shape (batch bucket × budget × attended cache
+positions) is captured once as a CUDA graph and replayed; other shapes run eagerly, said once in the log. On a CPU
+the same step runs eagerly: that is what the token-exactness tests run here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import numpy as np
+import torch
+
+from clover.attention import InPlaceAttention, unpack_mask
+from clover.backends.torch import TorchEngine
+from clover.device_step import StepShape, decode_step
+from clover.engine_contract import DraftResult, TargetResult
+from clover.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+KV_BLOCK = 256  # attended cache positions are rounded up to a power-of-two multiple of this
+
+
+def bucket_at_least(buckets, value: int) -> int | None:
+    """The smallest bucket >= ``value``; None past the last."""
+    i = bisect.bisect_left(buckets, value)
+    return buckets[i] if i < len(buckets) else None
+
+
+def kv_bucket(needed: int, max_seq_len: int) -> int:
+    """Cache positions a step attends to: ``needed`` rounded up to ``KV_BLOCK`` times a power of two, at most the
+    cache. Few shapes (so few graphs), and attention reads about the filled part only."""
+    size = KV_BLOCK
+    while size < needed:
+        size *= 2
+    return min(size, max_seq_len)
+
+
+class DeviceEngine(TorchEngine):
+    """A torch engine whose decode step runs on the device (:meth:`device_stepper`).
+
+    ``cuda_graphs``: capture steps as CUDA graphs (on a CUDA device only; default there).
+    """
+
+    writes_cache_in_place = True
+
+    def __init__(self, *args, cuda_graphs: bool | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; this engine is on " + str(self.device))
+
+    # -- the contract's callables, for the prefill and for steps the host runs ------------------------------
+
+    @torch.inference_mode()
+    def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
+        """Contract v3: the new tokens' K/V go into the cache at ``[past, past + T)``; no presents come back."""
+        num_tokens = input_ids.shape[1]
+        kv_len = min(int(past_lengths.max()) + num_tokens, k_cache[0].shape[2])
+        past, ids, positions, mask = self._to_device(past_lengths, input_ids, position_ids, packed_mask)
+        attention = InPlaceAttention(past, unpack_mask(mask, num_tokens), kv_len)
+        logits, h0 = self.device_target(ids, positions, attention, k_cache, v_cache)
+        return TargetResult(logits.float().cpu(), h0.cpu(), None, None)
+
+    # -- the step on the device -------------------------------------------------------------------------------
+
+    def device_target(self, input_ids, position_ids, attention: InPlaceAttention, k_cache, v_cache):
+        """(logits, h0) of one pass on device tensors, writing the cache in place."""
+        out = self.target_step(input_ids, position_ids, attention.write_index[:, 0], attention, k_cache, v_cache)
+        return out.logits, out.h0
+
+    def device_draft(self, hidden, token, head: int) -> DraftResult:
+        return self.draft(hidden, token, head)
+
+    def device_stepper(self, cache: KVCache, max_batch_size: int) -> "DeviceStepper":
+        return DeviceStepper(self, cache, max_batch_size)
+
+
+class DeviceStepper:
+    """Runs decode steps of a :class:`~clover.decode.SpeculativeDecoder`'s live rows on the device.
+
+    Owns what the step keeps on the device besides the cache: each row's root state (h0 at its last accepted
+    position), and the step's input and output buffers, which CUDA graphs read and write.
+    """
+
+    def __init__(self, engine: DeviceEngine, cache: KVCache, max_batch_size: int) -> None:
+        self.engine = engine
+        self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch_size) + (max_batch_size,)
+        cache.reserve(self.buckets[-1])
+        self.cache = cache
+        device, spec = engine.device, engine.spec
+        self.root_hidden = torch.zeros(cache.capacity, spec.hidden_size, dtype=spec.dtype, device=device)
+        self.root_tokens = torch.zeros(cache.capacity, dtype=torch.int64, device=device)
+        self.lengths = torch.zeros(cache.capacity, dtype=torch.int64, device=device)
+        pinned = device.type == "cuda"
+        self._host_inputs = torch.zeros(2, cache.capacity, dtype=torch.int64, pin_memory=pinned)
+        self._graphs: dict[tuple, tuple] = {}  # (shape, cache storage) -> (graph, output)
+        self._eager_shapes_logged: set = set()
+        self.capture_seconds = 0.0
+
+    def load_root(self, row: int, hidden: torch.Tensor) -> None:
+        """A row's root state after its prefill (the host has it then)."""
+        self.root_hidden[row].copy_(hidden, non_blocking=True)
+
+    def root_of(self, row: int) -> torch.Tensor:
+        """A row's root state on the host, for a step the host runs."""
+        return self.root_hidden[row].cpu()
+
+    def reorder(self, order: list[int]) -> None:
+        """The cache compacted its rows (``order[j]``: the old row now at j): the root states follow."""
+        if order != list(range(len(order))):
+            index = torch.tensor(order, device=self.root_hidden.device)
+            self.root_hidden[: len(order)] = self.root_hidden.index_select(0, index)
+
+    def shape(self, num_rows: int, budget: int, depth: int, top_k: int) -> StepShape | None:
+        """The step shape for ``num_rows`` live rows, or None when no batch bucket holds them."""
+        batch = bucket_at_least(self.buckets, num_rows)
+        if batch is None:
+            return None
+        tokens = 1 + budget if budget and depth else 1
+        lengths = self.cache.lengths_array
+        needed = (int(lengths.max()) if len(lengths) else 0) + tokens
+        return StepShape(batch, budget if depth else 0, depth if budget else 0, top_k, top_k,
+                         kv_bucket(needed, self.cache.max_seq_len))
+
+    @torch.inference_mode()
+    def step(self, shape: StepShape, root_tokens: list[int]) -> np.ndarray:
+        """One decode step of the live rows; returns :func:`clover.device_step.emit`'s rows for them."""
+        rows = len(root_tokens)
+        host = self._host_inputs
+        host.zero_()
+        host[0, :rows] = torch.from_numpy(self.cache.lengths_array.astype(np.int64))
+        host[1, :rows] = torch.tensor(root_tokens, dtype=torch.int64)
+        self.lengths.copy_(host[0], non_blocking=True)
+        self.root_tokens.copy_(host[1], non_blocking=True)
+        output = self._run(shape)
+        return output[:rows].cpu().numpy()  # the step's one device-to-host copy
+
+    def _run(self, shape: StepShape) -> torch.Tensor:
+        if not self.engine.cuda_graphs:
+            return self._eager(shape)
+        key = (shape.batch, shape.budget, shape.depth, shape.top_k, shape.width, shape.kv_len,
+               self.cache.buffers[0].data_ptr())
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(shape)
+        graph, output = self._graphs[key]
+        graph.replay()
+        return output
+
+    def _eager(self, shape: StepShape) -> torch.Tensor:
+        keys, values = self.cache.buffers
+        batch = shape.batch
+        engine = self.engine
+
+        def target(input_ids, position_ids, attention):
+            layers = keys.shape[0]
+            return engine.device_target(input_ids, position_ids, attention,
+                                        [keys[i, :batch] for i in range(layers)],
+                                        [values[i, :batch] for i in range(layers)])
+
+        draft = engine.device_draft if engine.draft is not None else None
+        return decode_step(target, draft, keys[:, :batch], values[:, :batch], self.lengths[:batch],
+                           self.root_tokens[:batch], self.root_hidden[:batch], shape)
+
+    def _capture(self, shape: StepShape):
+        """A CUDA graph of the step (torch.cuda.graphs: warm up on a side stream, then capture). The warm-up
+        runs are real steps on the live inputs: they write K/V only past each row's length, which no later step
+        reads before writing, and the root states, which are restored after them."""
+        started = time.perf_counter()
+        saved_roots = self.root_hidden.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._eager(shape)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = self._eager(shape)
+        self.root_hidden.copy_(saved_roots)
+        torch.cuda.synchronize()
+        self.capture_seconds += time.perf_counter() - started
+        logger.info("captured a CUDA graph for %s in %.2f s", shape, time.perf_counter() - started)
+        return graph, output

@@ -1,0 +1,233 @@
+"""The decode step as tensor ops on the device: propose → verify → accept → commit → emit (docs/gpu-engine.md).
+
+The host loop (:mod:`clover.decode`) builds trees and accepts tokens with NumPy, which is right on a CPU. On a GPU
+every value that crosses to the host stalls the device, so this module writes the same step with static shapes and
+no value leaving the device: the whole step can be captured in one CUDA graph (the draft loop included, as
+TensorRT-LLM's one-model speculative decoding does), and the host reads back one small tensor per step.
+
+* :func:`propose_tree`: a dynamic tree from the heads' draft steps, EAGLE-2's expansion as tensor ops: each level
+  expands the ``width`` best frontier nodes by their top-k, and the ``budget`` best candidates of all levels by
+  joint log-probability form the tree.
+* :func:`verify`: one target pass over the tree, writing its K/V into the static cache
+  (:class:`clover.attention.InPlaceAttention`).
+* :func:`accept_greedy`: the longest path whose every token is the target's argmax after its parent.
+* :func:`commit`: the accepted path's K/V moved to consecutive positions, in place.
+* :func:`emit`: the accepted tokens and counts as one int64 tensor, the step's single device-to-host copy.
+
+Greedy acceptance makes the output exactly the target's greedy decoding whatever the tree, so this tree builder
+may differ from the host's (:mod:`clover.tree`) without changing a token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from clover.attention import InPlaceAttention
+from clover.engine_contract import DraftResult
+
+# A child scores strictly below its parent, so the best-N set of candidates always holds each node's ancestors
+# (a head's log-probability can be 0, and -inf would tie).
+_CHILD_PENALTY = 1e-3
+_MIN_LOGPROB = -1e4
+
+DeviceDraftFn = Callable[[torch.Tensor, torch.Tensor, int], DraftResult]
+# (input_ids [B, T], position_ids [B, T], attention) -> (logits [B, T, V], h0 [B, T, H]); writes the cache
+DeviceTargetFn = Callable[[torch.Tensor, torch.Tensor, InPlaceAttention], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclasses.dataclass
+class DeviceTree:
+    """Trees of a batch as device tensors, every tree ``T`` nodes, node 0 the root, parents before children.
+
+    tokens, depths int64 ``[B, T]``; parents int64 ``[B, T]`` (-1 for the root); ancestors bool ``[B, T, T]``
+    (a node's ancestors and itself). ``max_depth``: the deepest a node can be (static, for the path width).
+    """
+
+    tokens: torch.Tensor
+    depths: torch.Tensor
+    parents: torch.Tensor
+    ancestors: torch.Tensor
+    max_depth: int
+
+
+@dataclasses.dataclass
+class StepShape:
+    """What fixes a step's tensor shapes, and so one CUDA graph: live rows (padded), heads' budget, heads used
+    (depth), the draft top-k, the frontier width, and the cache positions attention reads."""
+
+    batch: int
+    budget: int
+    depth: int
+    top_k: int
+    width: int
+    kv_len: int
+
+    @property
+    def tree_tokens(self) -> int:
+        """Nodes per tree: the root and the budget, or fewer where the levels offer fewer candidates."""
+        if not self.budget or not self.depth:
+            return 1
+        candidates = self.top_k + (self.depth - 1) * self.width * self.top_k
+        return 1 + min(self.budget, candidates)
+
+    @property
+    def path_width(self) -> int:
+        """Tokens a step can accept: the tree's deepest node plus the bonus token."""
+        return 1 + min(self.depth, self.tree_tokens - 1)
+
+
+def root_tree(root_tokens: torch.Tensor) -> DeviceTree:
+    """Root-only trees (vanilla decoding)."""
+    batch = root_tokens.shape[0]
+    zeros = torch.zeros(batch, 1, dtype=torch.int64, device=root_tokens.device)
+    ancestors = torch.ones(batch, 1, 1, dtype=torch.bool, device=root_tokens.device)
+    return DeviceTree(root_tokens[:, None].to(torch.int64), zeros, zeros - 1, ancestors, 0)
+
+
+def propose_tree(draft: DeviceDraftFn, root_hidden: torch.Tensor, root_tokens: torch.Tensor,
+                 shape: StepShape) -> DeviceTree:
+    """Each row's tree of ``1 + shape.budget`` nodes from ``shape.depth`` draft steps (one per head).
+
+    root_hidden ``[B, H]``: h0 at each row's last accepted position; root_tokens int64 ``[B]``.
+    """
+    if shape.tree_tokens == 1:
+        return root_tree(root_tokens)
+    pool = _CandidatePool(root_tokens)
+    hidden, tokens = root_hidden[:, None, :], root_tokens[:, None].to(torch.int64)  # the frontier [B, F, ...]
+    score = torch.zeros(root_tokens.shape[0], 1, device=root_tokens.device)
+    index = torch.zeros_like(tokens)  # the frontier nodes' pool slots
+    for head in range(shape.depth):
+        batch, frontier = tokens.shape
+        result = draft(hidden.reshape(batch * frontier, -1), tokens.reshape(-1), head)
+        k = min(shape.top_k, result.topk_ids.shape[1])
+        logprobs = result.topk_logprobs[:, :k].float().clamp(min=_MIN_LOGPROB).view(batch, frontier * k)
+        child_score = score.repeat_interleave(k, 1) + logprobs - _CHILD_PENALTY  # [B, F*k]
+        child_tokens = result.topk_ids[:, :k].reshape(batch, frontier * k)
+        first = pool.add(child_tokens, index.repeat_interleave(k, 1), child_score, head + 1)
+        if head + 1 == shape.depth:
+            break
+        best = torch.topk(child_score, min(shape.width, frontier * k), dim=1).indices  # [B, W]
+        next_hidden = result.next_hidden.view(batch, frontier, -1)
+        hidden = next_hidden.gather(1, (best // k)[..., None].expand(-1, -1, next_hidden.shape[-1]))
+        tokens, score, index = child_tokens.gather(1, best), child_score.gather(1, best), first + best
+    return pool.best_tree(shape.budget, shape.depth)
+
+
+class _CandidatePool:
+    """Every candidate of a step's levels, ``[B, P]`` per field; slot 0 is the root."""
+
+    def __init__(self, root_tokens: torch.Tensor) -> None:
+        batch, device = root_tokens.shape[0], root_tokens.device
+        self.tokens = [root_tokens[:, None].to(torch.int64)]
+        self.parents = [torch.full((batch, 1), -1, dtype=torch.int64, device=device)]
+        self.scores = [torch.zeros(batch, 1, device=device)]
+        self.depths = [torch.zeros(batch, 1, dtype=torch.int64, device=device)]
+        self.size = 1
+
+    def add(self, tokens, parents, scores, depth: int) -> int:
+        """Append candidates ``[B, n]``; returns the first one's slot."""
+        first = self.size
+        self.tokens.append(tokens.to(torch.int64))
+        self.parents.append(parents)
+        self.scores.append(scores)
+        self.depths.append(torch.full_like(parents, depth))
+        self.size += tokens.shape[1]
+        return first
+
+    def best_tree(self, budget: int, max_depth: int) -> DeviceTree:
+        """The root and the ``budget`` best candidates, in slot order (parents first)."""
+        tokens, parents = torch.cat(self.tokens, 1), torch.cat(self.parents, 1)
+        scores, depths = torch.cat(self.scores, 1), torch.cat(self.depths, 1)
+        chosen = torch.topk(scores[:, 1:], min(budget, self.size - 1), dim=1).indices + 1
+        slots = torch.cat([torch.zeros_like(chosen[:, :1]), chosen.sort(dim=1).values], 1)  # [B, T]
+        node_of_slot = torch.full_like(tokens, -1).scatter_(1, slots, torch.arange(
+            slots.shape[1], device=slots.device).expand_as(slots).contiguous())
+        parent_slots = parents.gather(1, slots)
+        tree_parents = torch.where(parent_slots >= 0, node_of_slot.gather(1, parent_slots.clamp(min=0)), -1)
+        return DeviceTree(tokens.gather(1, slots), depths.gather(1, slots), tree_parents,
+                          ancestor_masks(tree_parents, max_depth), max_depth)
+
+
+def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """bool ``[B, T, T]`` from parents int64 ``[B, T]`` (-1: none): a node's ancestors and itself; ``max_depth``
+    steps up, a static count (no value read back to decide when to stop)."""
+    batch, size = parents.shape
+    mask = torch.eye(size, dtype=torch.bool, device=parents.device).expand(batch, size, size).clone()
+    ancestor = parents
+    for _ in range(max_depth):
+        has = ancestor >= 0
+        mask |= torch.nn.functional.one_hot(ancestor.clamp(min=0), size).bool() & has[..., None]
+        ancestor = torch.where(has, parents.gather(1, ancestor.clamp(min=0)), -1)
+    return mask
+
+
+def verify(target: DeviceTargetFn, tree: DeviceTree, past_lengths: torch.Tensor, kv_len: int):
+    """One target pass over the trees (their K/V written at ``[past, past + T)`` of each row); (logits, h0)."""
+    attention = InPlaceAttention(past_lengths, tree.ancestors, kv_len)
+    return target(tree.tokens, past_lengths[:, None].to(torch.int64) + tree.depths, attention)
+
+
+@dataclasses.dataclass
+class DeviceAccepted:
+    """path int64 ``[B, A]``: the accepted nodes by depth (slots past the end repeat their own index, so a commit
+    moves nothing there); tokens int64 ``[B, A]``: the accepted draft tokens then the bonus token; counts int64
+    ``[B]``: tokens accepted (the path's nodes); deepest int64 ``[B]``: the path's last node."""
+
+    path: torch.Tensor
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    deepest: torch.Tensor
+
+
+def accept_greedy(logits: torch.Tensor, tree: DeviceTree, path_width: int) -> DeviceAccepted:
+    """The longest path of each tree whose every token is the target's argmax after its parent."""
+    predicted = logits.argmax(-1)  # [B, T]: the target's token after each node
+    matches = (tree.tokens == predicted.gather(1, tree.parents.clamp(min=0))) | (tree.parents < 0)
+    accepted = ~(tree.ancestors & ~matches[:, None, :]).any(-1)  # a node and all its ancestors match
+    deepest = torch.where(accepted, tree.depths, -1).argmax(-1)  # [B]
+    on_path = tree.ancestors.gather(1, deepest[:, None, None].expand(-1, 1, tree.tokens.shape[1]))[:, 0]
+    slot = torch.where(on_path, tree.depths, path_width)  # off-path nodes go to a slot that is dropped
+    path = torch.arange(path_width + 1, device=logits.device).expand(logits.shape[0], -1).contiguous()
+    nodes = torch.arange(tree.tokens.shape[1], device=logits.device).expand_as(slot)
+    path = path.scatter(1, slot, nodes)[:, :path_width]
+    counts = on_path.sum(-1)
+    # the token after path node j is the target's argmax there: accepted draft tokens, then the bonus token
+    return DeviceAccepted(path, predicted.gather(1, path.clamp(max=tree.tokens.shape[1] - 1)), counts, deepest)
+
+
+def commit(keys: torch.Tensor, values: torch.Tensor, past_lengths: torch.Tensor, path: torch.Tensor) -> None:
+    """Move each row's accepted nodes' K/V (written at ``past + node``) to ``past + depth``, for all layers at once.
+
+    keys, values ``[L, B, Hkv, S, D]`` (the live rows of the static cache); path int64 ``[B, A]``.
+    """
+    layers, batch, heads, _, head_dim = keys.shape
+    past = past_lengths.to(torch.int64)[:, None]
+    source = (past + path)[None, :, None, :, None].expand(layers, batch, heads, path.shape[1], head_dim)
+    target = (past + torch.arange(path.shape[1], device=path.device))[None, :, None, :, None].expand_as(source)
+    for cache in (keys, values):
+        cache.scatter_(3, target, cache.gather(3, source))
+
+
+def emit(accepted: DeviceAccepted, tree: DeviceTree) -> torch.Tensor:
+    """int64 ``[B, A + 2]``: the accepted tokens, their count, and the tree's depth (for the statistics)."""
+    return torch.cat([accepted.tokens, accepted.counts[:, None], tree.depths.max(1, keepdim=True).values], 1)
+
+
+def decode_step(target: DeviceTargetFn, draft: DeviceDraftFn | None, keys: torch.Tensor, values: torch.Tensor,
+                past_lengths: torch.Tensor, root_tokens: torch.Tensor, root_hidden: torch.Tensor,
+                shape: StepShape) -> torch.Tensor:
+    """One whole step for rows ``[0, shape.batch)``: propose → verify → accept → commit → emit.
+
+    keys, values ``[L, B, Hkv, S, D]``; past_lengths ``[B]`` (read only: the host advances its own copy by the
+    counts); root_tokens int64 ``[B]``; root_hidden ``[B, H]`` (overwritten with the next roots' states).
+    Returns :func:`emit`'s tensor; the next root tokens are its last accepted tokens.
+    """
+    tree = propose_tree(draft, root_hidden, root_tokens, shape) if draft is not None else root_tree(root_tokens)
+    logits, h0 = verify(target, tree, past_lengths, shape.kv_len)
+    accepted = accept_greedy(logits, tree, shape.path_width)
+    commit(keys, values, past_lengths, accepted.path)
+    root_hidden.copy_(h0.gather(1, accepted.deepest[:, None, None].expand(-1, 1, h0.shape[-1]))[:, 0])
+    return emit(accepted, tree)

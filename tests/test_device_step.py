@@ -1,0 +1,215 @@
+"""The decode step on the device (clover/device_step.py, clover/backends/device.py; docs/gpu-engine.md).
+
+On this CPU the step runs eagerly, the same tensor ops a CUDA graph replays on a GPU. Its output is checked
+against transformers ``generate()`` (tests/helpers.py::hf_greedy), an independent reference; its pieces against
+the reference tree attention and a brute-force tree; that it never reads a value back to the host (what a CUDA
+graph needs) by tracing it as one graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from clover.attention import InPlaceAttention, pack_mask, tree_attention
+from clover.backends.device import DeviceEngine, kv_bucket
+from clover.config import SamplingConfig, TreeConfig
+from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.device_step import StepShape, accept_greedy, propose_tree, root_tree
+from clover.engine_contract import DraftResult
+from clover.kv_cache import KVCache
+from tests.conftest import make_drafter, make_target
+from tests.helpers import DeviceOracleEngine, hf_greedy, random_prompts
+
+MAX_NEW = 24
+
+
+def _generate(engine, method, prompts, budget=4, batch_size=4, max_new=MAX_NEW, sampling=None):
+    decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=budget), max_batch_size=batch_size)
+    assert decoder.device_stepper is not None, "the decoder did not take the device step"
+    requests = [GenerationRequest(p, max_new_tokens=max_new, stop_token_ids=(),
+                                  sampling=(sampling or {}).get(i, SamplingConfig()))
+                for i, p in enumerate(prompts)]
+    return decoder.generate(requests)
+
+
+def _random_tree_masks(gen, batch, tokens):
+    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, tokens)] for _ in range(batch)]
+    mask = torch.zeros(batch, tokens, tokens, dtype=torch.bool)
+    for b, row in enumerate(parents):
+        for i, parent in enumerate(row):
+            if parent >= 0:
+                mask[b, i] = mask[b, parent]
+            mask[b, i, i] = True
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_in_place_attention_equals_the_reference_and_writes_the_cache(seed):
+    gen = torch.Generator().manual_seed(seed)
+    batch, tokens, q_heads, kv_heads, dim, size = 3, 6, 4, 2, 8, 40
+    q = torch.randn(batch, tokens, q_heads, dim, generator=gen)
+    k, v = (torch.randn(batch, tokens, kv_heads, dim, generator=gen) for _ in range(2))
+    k_cache, v_cache = (torch.randn(batch, kv_heads, size, dim, generator=gen) for _ in range(2))
+    past = torch.tensor([0, 7, 20], dtype=torch.int32)
+    mask = _random_tree_masks(gen, batch, tokens)
+    want = tree_attention(q, k, v, k_cache, v_cache, past, pack_mask(mask))
+    keys, values = k_cache.clone(), v_cache.clone()
+    got = InPlaceAttention(past, mask, kv_bucket(27, size)).attend(q, k, v, keys, values)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for b, start in enumerate(past.tolist()):
+        torch.testing.assert_close(keys[b, :, start: start + tokens], k[b].transpose(0, 1))
+        torch.testing.assert_close(values[b, :, :start], v_cache[b, :, :start])  # the cache before: untouched
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("budget", [0, 1, 4, 16])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_random_heads_on_the_device_step_equal_transformers_generate(seed, budget, batch):
+    target = make_target(seed=seed)
+    engine = DeviceEngine(target, make_drafter(target, num_heads=3, seed=seed + 10), max_seq_len=128)
+    prompts = random_prompts(seed, batch, target.config.vocab_size, 1, 24)
+    results = _generate(engine, "clover" if budget else "vanilla", prompts, budget)
+    assert [r.token_ids for r in results] == hf_greedy(target, prompts, MAX_NEW)
+
+
+def test_medusa_heads_on_the_device_step_equal_transformers_generate():
+    target = make_target(seed=4)
+    engine = DeviceEngine(target, make_drafter(target, method="medusa", num_heads=3), max_seq_len=128)
+    prompts = random_prompts(4, 3, target.config.vocab_size, 2, 16)
+    assert [r.token_ids for r in _generate(engine, "medusa", prompts, 6)] == hf_greedy(target, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_oracle_heads_on_the_device_step_accept_whole_paths(batch):
+    target = make_target(seed=2)
+    prompts = random_prompts(7, batch, target.config.vocab_size, 2, 20)
+    expected = hf_greedy(target, prompts, MAX_NEW)
+    engine = DeviceOracleEngine(target, prompts, expected, num_heads=3, top_k=4)
+    results = _generate(engine, "clover", prompts, budget=8)
+    assert [r.token_ids for r in results] == expected
+    # every step accepts the three heads' tokens plus the bonus token: 23 tokens after the prefill in 6 steps
+    assert [r.stats.num_steps for r in results] == [6] * batch
+
+
+def test_rows_that_join_and_finish_at_different_steps_stay_exact():
+    """Five requests through two rows: the cache compacts, and the root states must follow their rows, or the
+    oracle heads would propose another sequence's continuation and steps would accept less."""
+    target = make_target(seed=6)
+    prompts = random_prompts(6, 5, target.config.vocab_size, 1, 20)
+    lengths = [5, 17, 9, 24, 3]
+    expected = hf_greedy(target, prompts, max(lengths))
+    engine = DeviceOracleEngine(target, prompts, expected, num_heads=3, top_k=4)
+    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8), max_batch_size=2)
+    results = decoder.generate([GenerationRequest(p, max_new_tokens=n, stop_token_ids=())
+                                for p, n in zip(prompts, lengths)])
+    assert [r.token_ids for r in results] == [e[:n] for e, n in zip(expected, lengths)]
+    assert [r.stats.num_steps for r in results] == [-(-(n - 1) // 4) for n in lengths]  # 4 tokens a step
+
+
+def test_a_sampling_request_runs_on_the_host_and_greedy_neighbours_stay_exact():
+    target = make_target(seed=3)
+    engine = DeviceEngine(target, make_drafter(target, num_heads=3, seed=13), max_seq_len=128)
+    prompts = random_prompts(3, 3, target.config.vocab_size, 1, 16)
+    sampled = {1: SamplingConfig(temperature=0.8, top_k=20)}
+    results = _generate(engine, "clover", prompts, 4, sampling=sampled)
+    expected = hf_greedy(target, prompts, MAX_NEW)
+    assert [results[0].token_ids, results[2].token_ids] == [expected[0], expected[2]]
+    assert len(results[1].token_ids) == MAX_NEW
+
+
+def _table_draft(logprob_table):
+    """A draft step whose top-k log-probabilities depend only on (head, rank): ``logprob_table[head]``; token id
+    = rank, next hidden = the input's. The tree's scores are then known in closed form."""
+    def draft(hidden, token, head):
+        k = len(logprob_table[head])
+        logprobs = torch.tensor(logprob_table[head]).expand(len(token), k)
+        return DraftResult(hidden.clone(), logprobs, torch.arange(k).expand(len(token), k))
+    return draft
+
+
+def test_the_tree_holds_the_best_paths_by_joint_log_probability():
+    """With a frontier as wide as every path, the tree is the ``budget`` best rank paths of all depths (brute
+    force over every path), parents before children."""
+    table = [[-0.1, -0.9, -2.3], [-0.2, -0.5, -3.1], [-0.05, -1.7, -2.0]]
+    budget, k = 10, 3
+    shape = StepShape(batch=2, budget=budget, depth=3, top_k=k, width=k * k, kv_len=64)
+    tree = propose_tree(_table_draft(table), torch.zeros(2, 4), torch.tensor([5, 6]), shape)
+    paths = [p for d in range(1, 4) for p in itertools.product(range(k), repeat=d)]
+    best = sorted(paths, key=lambda p: -sum(table[i][r] for i, r in enumerate(p)))[:budget]
+    for b in range(2):
+        parents, tokens = tree.parents[b].tolist(), tree.tokens[b].tolist()
+        assert tokens[0] == [5, 6][b] and parents[0] == -1
+        assert all(0 <= parents[i] < i for i in range(1, len(parents)))
+
+        def path_of(node):
+            return () if node == 0 else path_of(parents[node]) + (tokens[node],)
+        assert sorted(path_of(n) for n in range(1, len(tokens))) == sorted(best)
+
+
+def test_greedy_acceptance_takes_the_longest_matching_path():
+    # root 0 -> 1 (token 7) -> 3 (token 9); root -> 2 (token 8) -> 4 (token 4)
+    parents = torch.tensor([[-1, 0, 0, 1, 2]])
+    tokens = torch.tensor([[1, 7, 8, 9, 4]])
+    depths = torch.tensor([[0, 1, 1, 2, 2]])
+    from clover.device_step import DeviceTree, ancestor_masks
+    tree = DeviceTree(tokens, depths, parents, ancestor_masks(parents, 2), 2)
+    argmax = [8, 2, 4, 0, 6]  # after the root: 8 (node 2), after node 2: 4 (node 4), after node 4: 6 (bonus)
+    logits = torch.nn.functional.one_hot(torch.tensor([argmax]), 10).float()
+    accepted = accept_greedy(logits, tree, 3)
+    assert accepted.counts.tolist() == [3]
+    assert accepted.path.tolist() == [[0, 2, 4]]
+    assert accepted.tokens.tolist() == [[8, 4, 6]]
+
+
+def test_the_whole_step_traces_as_one_graph_and_a_host_read_would_break_it():
+    """A CUDA graph can hold the step only if no value leaves the device: torch.compile's tracer with
+    fullgraph=True refuses any such read. The same check fails for a draft that reads a value back."""
+    target = make_target(seed=0)
+    engine = DeviceEngine(target, make_drafter(target, num_heads=3, seed=10), max_seq_len=128)
+    spec = engine.spec
+    cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, capacity=4)
+    cache.add_rows(4)
+    stepper = engine.device_stepper(cache, 4)
+    stepper.lengths[:4] = torch.tensor([3, 5, 7, 2])
+    shape = StepShape(batch=4, budget=8, depth=3, top_k=8, width=8, kv_len=128)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        out = torch.compile(lambda: stepper._eager(shape), backend="eager", fullgraph=True)()
+    assert out.shape == (4, shape.path_width + 2)
+
+    inner = engine.device_draft
+    engine.device_draft = lambda hidden, token, head: inner(hidden, token, head) if int(token.max()) >= 0 else None
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="(?i)graph break|data-dependent|item|unsupported"):
+        with torch.inference_mode():
+            torch.compile(lambda: stepper._eager(shape), backend="eager", fullgraph=True)()
+
+
+def test_root_trees_are_one_node():
+    tree = root_tree(torch.tensor([3, 4]))
+    assert tree.tokens.tolist() == [[3], [4]] and tree.parents.tolist() == [[-1], [-1]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (docs/status.md)")
+def test_cuda_graph_steps_equal_generate_and_never_synchronise():
+    target = make_target(seed=1)
+    drafter = make_drafter(target, num_heads=3, seed=11)
+    prompts = random_prompts(1, 4, target.config.vocab_size, 1, 24)
+    expected = hf_greedy(target, prompts, MAX_NEW)
+    engine = DeviceEngine(target.cuda(), drafter.cuda(), max_seq_len=128)
+    assert engine.cuda_graphs
+    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8, adaptive=False), max_batch_size=4)
+    assert [r.token_ids for r in decoder.generate([GenerationRequest(p, max_new_tokens=MAX_NEW, stop_token_ids=())
+                                                   for p in prompts])] == expected
+    stepper = decoder.device_stepper
+    assert stepper._graphs, "no step ran from a CUDA graph"
+    shape = stepper.shape(4, 8, 3, 8)
+    stepper._run(shape)  # captured here if this shape was not
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
+    try:
+        stepper._run(shape)  # the step without its one device-to-host copy
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
