@@ -7,6 +7,14 @@ Needs torch with CUDA, nvcc (the kernel is JIT-built) and, for the lossless step
 no internet, no checkpoints (every model is built here with random weights). Steps, each in its own
 process with its own time budget (a CUDA error or a hang in one step cannot take the others down):
 
+  gpu_engine          the device engine (docs/gpu-engine.md): the decode step on the device, from CUDA graphs,
+                      token-exact with transformers generate() (random, Medusa and oracle heads, vanilla;
+                      batch 1 and 4) and never synchronising; the verify pass and the whole step timed at the
+                      Llama-3-8B shape in bf16 against the memory bound measured in the same run.
+  gpu_engine_demo     the demo model (SmolLM2-135M, shipped heads) on the device engine in bf16: the 80 MT-bench
+                      first turns at batch 1 and 8, tokens/s and tokens/step of vanilla and Clover, transformers
+                      generate() on 10 of them; agreement of bf16 outputs with fp32 vanilla. Skipped where the
+                      demo model or MT-bench is not installed.
   kernel_build        JIT-build the TreeAttention CUDA kernel (trt_plugins/torch_ext) for this GPU.
   kernel_correctness  the kernel against the reference op clover.attention.tree_attention: fixed edge
                       cases and random shapes (B 1-16, T 1-64 so one or two mask words, mixed past lengths
@@ -67,6 +75,8 @@ class Step:
 
 
 STEPS = (
+    Step("gpu_engine", "the device engine: lossless from CUDA graphs, step timings at the 8B shape", 150, 200, 60),
+    Step("gpu_engine_demo", "the demo model on the device engine: MT-bench speed, bf16 agreement", 150, 200, 60),
     Step("kernel_build", "JIT-build the TreeAttention CUDA kernel", 300, 0, 60, needs_cuda=True),
     Step("kernel_correctness", "kernel vs clover.attention.tree_attention, fp32/fp16/bf16", 120, 0, 30,
          needs_cuda=True, needs_steps=("kernel_build",)),

@@ -478,6 +478,18 @@ def distributed_step(ctx: Context) -> dict:
     return report.outcome("pass", f"{result['backend']}: replicas equal after the step", data=result, tables=tables)
 
 
-STEP_FUNCTIONS = {"kernel_build": kernel_build, "kernel_correctness": kernel_correctness,
+def gpu_engine(ctx: Context) -> dict:
+    import gpu_check_engine
+
+    return gpu_check_engine.gpu_engine(ctx)
+
+
+def gpu_engine_demo(ctx: Context) -> dict:
+    import gpu_check_engine
+
+    return gpu_check_engine.gpu_engine_demo(ctx)
+
+
+STEP_FUNCTIONS = {"gpu_engine": gpu_engine, "gpu_engine_demo": gpu_engine_demo, "kernel_build": kernel_build, "kernel_correctness": kernel_correctness,
                   "lossless_decode": lossless_decode, "decode_timings": decode_timings, "train_step": train_step,
                   "distributed_step": distributed_step}

@@ -205,7 +205,7 @@ def test_cuda_graph_steps_equal_generate_and_never_synchronise():
     assert [r.token_ids for r in decoder.generate([GenerationRequest(p, max_new_tokens=MAX_NEW, stop_token_ids=())
                                                    for p in prompts])] == expected
     stepper = decoder.device_stepper
-    assert stepper._graphs, "no step ran from a CUDA graph"
+    assert stepper.graphs, "no step ran from a CUDA graph"
     shape = stepper.shape(4, 8, 3, 8)
     stepper._run(shape)  # captured here if this shape was not
     torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises

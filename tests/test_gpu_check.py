@@ -15,7 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STEPS = ["kernel_build", "kernel_correctness", "lossless_decode", "decode_timings", "train_step", "distributed_step"]
+STEPS = ["gpu_engine", "gpu_engine_demo", "kernel_build", "kernel_correctness", "lossless_decode", "decode_timings", "train_step", "distributed_step"]
 CUDA_ONLY = ["kernel_build", "kernel_correctness"]
 MIB = 1 << 20
 
@@ -66,6 +66,12 @@ def test_dry_run_measures_what_the_gpu_run_measures(dry_run):
     assert len(steps["decode_timings"]["data"]["draft_step"]) == 5
     assert steps["train_step"]["data"]["tokens_per_step"] == 128
     assert json.loads((out / "cost_probe_gpu_check_tiny.json").read_text())["online_tokens_per_s"] > 0
+    engine = steps["gpu_engine"]["data"]
+    assert [(c["batch"], c["status"]) for c in engine["lossless"]] == [(b, "pass") for b in (1, 4) for _ in range(4)]
+    assert all(c["tokens/step"] > 3 for c in engine["lossless"] if c["case"] == "Clover, oracle heads")
+    assert [(r[0], r[1]) for r in engine["verify"]] == [(b, t) for b in (1, 4) for t in (1, 8, 16)]
+    assert [r[1] for r in engine["steps"]] == ["vanilla", "Clover, 3 heads, budget 8"] * 2
+    assert {r[0] for r in steps["gpu_engine_demo"]["data"]["speed"]} == {1, 8}
     worker = steps["distributed_step"]["data"]
     assert worker["backend"] == "gloo" and worker["replica_max_abs_diff"] == 0 and worker["weights_moved"]
     summary = (out / "summary.md").read_text()
@@ -83,6 +89,14 @@ def test_a_wrong_token_fails_the_check(tmp_path):
     assert step["status"] == "fail" and "differs from generate()" in step["reason"]
     assert "overall: FAIL" in done.stdout
     assert (out / "summary.md").read_text().startswith("# Clover GPU check: FAIL")
+
+
+def test_a_wrong_token_fails_the_device_engine_step(tmp_path):
+    out = tmp_path / "out"
+    done = run_check(out, "--dry-run", "--steps", "gpu_engine", "--inject-fault", "lossless")
+    assert done.returncode == 1, done.stdout + done.stderr
+    step = read_report(out)["gpu_engine"]
+    assert step["status"] == "fail" and "differs" in step["reason"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="there is a GPU here: the script would run")

@@ -34,3 +34,29 @@ def load_engine(engine_dir: str | Path, backend: str = "auto", threads: int | No
     from clover.backends.onnxruntime import OnnxRuntimeEngine
 
     return OnnxRuntimeEngine(engine_dir, threads=threads, meta=meta)
+
+
+def load_checkpoint_engine(target: str | Path | None = "demo", drafter: str | None = None, method: str = "clover",
+                           max_seq_len: int = 2048, cache_dir: str | Path | None = None, device: str = "auto"):
+    """The engine of a Hugging Face checkpoint (no engine directory), where it runs best.
+
+    ``device``: ``auto`` (a CUDA GPU when torch sees one, else the CPU), ``cpu`` or ``cuda``. On a GPU: the device
+    engine in bf16, its steps replayed from CUDA graphs (docs/gpu-engine.md); on the CPU: the torch reference
+    engine in fp32.
+    """
+    import torch
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device {device!r}: choose auto, cpu or cuda")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda: torch sees no CUDA GPU here (a CPU build of torch, or no driver)")
+    if device == "cpu":
+        from clover.backends.torch import TorchEngine
+
+        return TorchEngine.from_checkpoint(target, drafter, method, max_seq_len, cache_dir)
+    from clover.backends.device import DeviceEngine
+
+    return DeviceEngine.from_checkpoint(target, drafter, method, max_seq_len, cache_dir, device="cuda",
+                                        dtype=torch.bfloat16)

@@ -107,6 +107,11 @@ class DeviceStepper:
         self._eager_shapes_logged: set = set()
         self.capture_seconds = 0.0
 
+    @property
+    def graphs(self) -> list:
+        """The CUDA graphs captured so far, one per step shape."""
+        return [graph for graph, _ in self._graphs.values()]
+
     def load_root(self, row: int, hidden: torch.Tensor) -> None:
         """A row's root state after its prefill (the host has it then)."""
         self.root_hidden[row].copy_(hidden, non_blocking=True)

@@ -140,13 +140,15 @@ class TorchEngine:
     @classmethod
     def from_checkpoint(cls, target: str | Path | None = "demo", drafter: str | None = None, method: str = "clover",
                         max_seq_len: int = 2048, cache_dir: str | Path | None = None,
-                        draft_top_k: int = 8) -> "TorchEngine":
+                        draft_top_k: int = 8, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32) -> "TorchEngine":
         """The engine of a Hugging Face checkpoint (``demo``: the embedded one) and its heads.
 
         ``drafter`` as :func:`clover.demo.resolve_drafter` reads it: None on the demo target means its shipped
         heads of ``method``'s family; no heads found means untrained ones (lossless, little speed-up).
         ``method="vanilla"`` or ``"suffix"`` (the model-free proposer alone) loads no heads. The checkpoint directory is kept as ``checkpoint_dir``
-        (its tokenizer: :func:`clover.target.load_tokenizer`).
+        (its tokenizer: :func:`clover.target.load_tokenizer`). ``device``, ``dtype``: where the weights run, and in
+        what precision (bf16 on a GPU: docs/gpu-engine.md#precision).
         """
         from clover.demo import resolve_drafter, resolve_target
         from clover.drafters import load_drafter
@@ -163,6 +165,8 @@ class TorchEngine:
                 logger.warning("using untrained %s heads (output is unchanged, speed-up needs trained heads)",
                                method)
                 heads = Drafter.untrained(model, method)
+        model = model.to(device=device, dtype=dtype)
+        heads = heads.to(device=device, dtype=dtype) if heads is not None else None
         engine = cls(model, heads, max_seq_len=max_seq_len, draft_top_k=draft_top_k)
         engine.checkpoint_dir = Path(path)
         return engine

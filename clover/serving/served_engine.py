@@ -79,11 +79,12 @@ def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: s
 
 
 def _load_torch(checkpoint_dir: Path, method: str) -> LoadedEngine:
-    from clover.backends.torch import TorchEngine
+    from clover.backends import load_checkpoint_engine
     from clover.target import load_tokenizer
 
     chosen = "clover" if method == "auto" else method
-    engine = TorchEngine.from_checkpoint(str(checkpoint_dir), None, chosen, max_seq_len=2048)
+    # on a GPU the device engine (docs/gpu-engine.md), on a CPU the torch reference
+    engine = load_checkpoint_engine(str(checkpoint_dir), None, chosen, max_seq_len=2048)
     return LoadedEngine(engine, load_tokenizer(engine.checkpoint_dir), chosen, TreeConfig(), TORCH_MAX_BATCH,
                         f"torch engine on {checkpoint_dir}")
 
