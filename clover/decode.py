@@ -27,6 +27,7 @@ from clover.adaptive import AdaptiveBudget, CostModel, SourceCalibration
 from clover.attention import causal_packed_mask
 from clover.stats import tokens_per_step
 from clover.config import ConfigError, SamplingConfig, TreeConfig
+from clover.device_step import given_arrays
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
 from clover.host_ops import as_numpy, cpu_tensor, take_rows
@@ -283,14 +284,13 @@ class SpeculativeDecoder:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
                              device=spec.device)
-        # an engine that runs whole steps on the device (docs/gpu-engine.md); greedy head and vanilla steps only
-        self.device_stepper = self._device_stepper(engine, method)
-        # model-free candidates, calibrated against the heads' per depth (docs/trees.md#model-free-candidates);
-        # not yet merged into trees built on the device, so off there (docs/gpu-engine.md#limits)
-        self.suffix_on = (method != "vanilla" and self.tree.suffix_candidates and self.tree.budget > 0
-                          and self.device_stepper is None)
+        # model-free candidates, calibrated against the heads' per depth (docs/trees.md#model-free-candidates)
+        self.suffix_on = method != "vanilla" and self.tree.suffix_candidates and self.tree.budget > 0
         self.calibration = (SourceCalibration(max(self.tree.proposer_depth, spec.num_draft_heads))
                             if self.suffix_on else None)
+        # an engine that runs whole steps on the device (docs/gpu-engine.md): greedy steps of heads' trees, the
+        # suffix proposer's candidates merged in, or vanilla
+        self.device_stepper = self._device_stepper(engine, method)
         self.shared_suffix = None  # over earlier requests' outputs (TreeConfig.shared_suffix_tokens)
         if self.suffix_on and self.tree.shared_suffix_tokens:
             self.shared_suffix = SharedSuffixIndex(self.tree.shared_suffix_tokens)
@@ -317,7 +317,20 @@ class SpeculativeDecoder:
         factory = getattr(engine, "device_stepper", None)  # a capability of the engine, not every backend's
         if factory is None or method in ("suffix", "clover2") or self.tree.static_choices is not None:
             return None
-        return factory(self.cache, self.max_batch_size)
+        stepper = factory(self.cache, self.max_batch_size, self.tree.budget if uses_heads(method) else 0)
+        given, given_depth = self._device_given_shape()
+        stepper.capture_ahead(self._device_depth(), min(self.tree.top_k, engine.spec.draft_top_k), given, given_depth)
+        return stepper
+
+    def _device_depth(self) -> int:
+        """Heads a device step drafts with (0 for vanilla)."""
+        heads = self.engine.spec.num_draft_heads
+        return min(self.tree.depth or heads, heads) if uses_heads(self.method) else 0
+
+    def _device_given_shape(self) -> tuple[int, int]:
+        """(suffix candidates per row, their deepest level) of a device step with suffix proposals: what
+        :meth:`_propose` offers."""
+        return (2 * self.tree.budget, self.tree.proposer_depth) if self.suffix_on else (0, 0)
 
     def _new_draft_cache(self) -> KVCache | None:
         """The drafter's own KV cache (``clover2``), shaped like the target's; None for the other methods."""
@@ -539,17 +552,18 @@ class SpeculativeDecoder:
         a sequence samples, or no batch bucket holds the batch."""
         if any(not s.request.sampling.greedy for s in seqs):
             return None
-        spec = self.engine.spec
-        depth = min(self.tree.depth or spec.num_draft_heads, spec.num_draft_heads) if self._heads else 0
-        shape = self.device_stepper.shape(len(seqs), tree.budget if self._heads else 0, depth,
-                                    min(self.tree.top_k, spec.draft_top_k))
+        proposals = [self._propose(seq, tree.proposer_depth) for seq in seqs] if self.suffix_on else []
+        given, given_depth = self._device_given_shape() if any(len(p.tokens) for p in proposals) else (0, 0)
+        shape = self.device_stepper.shape(len(seqs), tree.budget if self._heads else 0, self._device_depth(),
+                                          min(self.tree.top_k, self.engine.spec.draft_top_k), given, given_depth)
         if shape is None:
             return None
         for row, seq in enumerate(seqs):  # a root state the host holds (after a prefill or a host step)
             if seq.root_hidden is not None:
                 self.device_stepper.load_root(row, seq.root_hidden)
                 seq.root_hidden = None
-        rows = self.device_stepper.step(shape, [s.root_token for s in seqs])
+        rows = self.device_stepper.step(shape, [s.root_token for s in seqs],
+                                        given_arrays(proposals, given) if shape.given else None)
         width = shape.path_width
         counts, depths = rows[:, width].tolist(), rows[:, width + 1].tolist()
         self.cache.advance(counts)
@@ -559,10 +573,10 @@ class SpeculativeDecoder:
             step_counts = seq.stats.record(shape.tree_tokens, depth_reached, Accepted(list(range(count)), tokens))
             seq.root_token = tokens[-1]
             events.append(self._event(seq, seq.emit(tokens), step_counts))
-        if self.adaptive is not None:
-            self.adaptive.observe(tree.budget, [count - 1 for count in counts])
+        if self.adaptive is not None:  # the budget the step ran (the stepper rounds to its graphs' budgets)
+            self.adaptive.observe(shape.budget, [count - 1 for count in counts])
             if self.adaptive.step_timing:
-                self.adaptive.observe_time(len(seqs), tree.budget, time.perf_counter() - started,
+                self.adaptive.observe_time(len(seqs), shape.budget, time.perf_counter() - started,
                                            sum(counts) / len(counts), tree_tokens=shape.tree_tokens)
         self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
         return events

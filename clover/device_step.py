@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import numpy as np
 import torch
 
 from clover.attention import InPlaceAttention
@@ -64,19 +65,63 @@ class StepShape:
     top_k: int
     width: int
     kv_len: int
+    given: int = 0  # candidates given per row (the suffix proposer's), 0 for none
+    given_depth: int = 0  # the deepest of them
 
     @property
     def tree_tokens(self) -> int:
-        """Nodes per tree: the root and the budget, or fewer where the levels offer fewer candidates."""
-        if not self.budget or not self.depth:
+        """Nodes per tree: the root and the budget, or fewer where the candidates are fewer."""
+        if not self.budget:
             return 1
-        candidates = self.top_k + (self.depth - 1) * self.width * self.top_k
-        return 1 + min(self.budget, candidates)
+        drafted = self.top_k + (self.depth - 1) * self.width * self.top_k if self.depth else 0
+        return 1 + min(self.budget, drafted + self.given)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth, self.given_depth) if self.budget else 0
 
     @property
     def path_width(self) -> int:
         """Tokens a step can accept: the tree's deepest node plus the bonus token."""
-        return 1 + min(self.depth, self.tree_tokens - 1)
+        return 1 + min(self.max_depth, self.tree_tokens - 1)
+
+
+@dataclasses.dataclass
+class GivenCandidates:
+    """Candidates proposed off the device (the suffix proposer's), merged into the heads' trees as given token ids
+    (docs/gpu-engine.md#suffix-candidates): each ``[B, S]``, padded with score ``PADDING_SCORE``.
+
+    tokens, depths int64; parents int64 (-1: a child of the root, else the index of the parent among these);
+    scores float32: the log-probability the proposer gives the path, below its parent's.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor
+
+
+PADDING_SCORE = -1e9  # below any drafted candidate (clamped at _MIN_LOGPROB per level): chosen only to fill
+
+
+def given_arrays(proposals, width: int) -> np.ndarray:
+    """Suffix proposals (:class:`clover.suffix.SuffixProposal`, or None) as one float64 ``[4, B, width]`` array:
+    tokens, parents, depths and scores, padded (what :class:`GivenCandidates` holds once on the device).
+
+    A node's score is the log of the share of matches that continue with its path, less a small amount per level
+    so that a child scores strictly below its parent (the best-N set keeps each node's ancestors).
+    """
+    out = np.zeros((4, len(proposals), width))
+    out[1], out[3] = -1, PADDING_SCORE
+    for row, proposal in enumerate(proposals):
+        count = 0 if proposal is None else min(width, len(proposal.tokens))
+        if count:
+            out[0, row, :count] = proposal.tokens[:count]
+            out[1, row, :count] = proposal.parents[:count]
+            out[2, row, :count] = proposal.depths[:count]
+            out[3, row, :count] = (np.log(proposal.counts[:count] / proposal.total)
+                                   - _CHILD_PENALTY * proposal.depths[:count])
+    return out
 
 
 def root_tree(root_tokens: torch.Tensor) -> DeviceTree:
@@ -87,15 +132,27 @@ def root_tree(root_tokens: torch.Tensor) -> DeviceTree:
     return DeviceTree(root_tokens[:, None].to(torch.int64), zeros, zeros - 1, ancestors, 0)
 
 
-def propose_tree(draft: DeviceDraftFn, root_hidden: torch.Tensor, root_tokens: torch.Tensor,
-                 shape: StepShape) -> DeviceTree:
-    """Each row's tree of ``1 + shape.budget`` nodes from ``shape.depth`` draft steps (one per head).
+def propose_tree(draft: DeviceDraftFn | None, root_hidden: torch.Tensor, root_tokens: torch.Tensor,
+                 shape: StepShape, given: GivenCandidates | None = None) -> DeviceTree:
+    """Each row's tree of ``1 + shape.budget`` nodes from ``shape.depth`` draft steps (one per head) and the
+    ``given`` candidates, the best by score.
 
     root_hidden ``[B, H]``: h0 at each row's last accepted position; root_tokens int64 ``[B]``.
     """
     if shape.tree_tokens == 1:
         return root_tree(root_tokens)
     pool = _CandidatePool(root_tokens)
+    if draft is not None and shape.depth:
+        _draft_levels(draft, root_hidden, root_tokens, shape, pool)
+    if given is not None and shape.given:
+        first = pool.size
+        pool.add(given.tokens, torch.where(given.parents < 0, 0, given.parents + first), given.scores, given.depths)
+    return pool.best_tree(shape.budget, shape.max_depth)
+
+
+def _draft_levels(draft: DeviceDraftFn, root_hidden: torch.Tensor, root_tokens: torch.Tensor, shape: StepShape,
+                  pool: "_CandidatePool") -> None:
+    """The heads' candidates, level by level, into ``pool``."""
     hidden, tokens = root_hidden[:, None, :], root_tokens[:, None].to(torch.int64)  # the frontier [B, F, ...]
     score = torch.zeros(root_tokens.shape[0], 1, device=root_tokens.device)
     index = torch.zeros_like(tokens)  # the frontier nodes' pool slots
@@ -106,14 +163,14 @@ def propose_tree(draft: DeviceDraftFn, root_hidden: torch.Tensor, root_tokens: t
         logprobs = result.topk_logprobs[:, :k].float().clamp(min=_MIN_LOGPROB).view(batch, frontier * k)
         child_score = score.repeat_interleave(k, 1) + logprobs - _CHILD_PENALTY  # [B, F*k]
         child_tokens = result.topk_ids[:, :k].reshape(batch, frontier * k)
-        first = pool.add(child_tokens, index.repeat_interleave(k, 1), child_score, head + 1)
+        parents = index.repeat_interleave(k, 1)
+        first = pool.add(child_tokens, parents, child_score, torch.full_like(parents, head + 1))
         if head + 1 == shape.depth:
             break
         best = torch.topk(child_score, min(shape.width, frontier * k), dim=1).indices  # [B, W]
         next_hidden = result.next_hidden.view(batch, frontier, -1)
         hidden = next_hidden.gather(1, (best // k)[..., None].expand(-1, -1, next_hidden.shape[-1]))
         tokens, score, index = child_tokens.gather(1, best), child_score.gather(1, best), first + best
-    return pool.best_tree(shape.budget, shape.depth)
 
 
 class _CandidatePool:
@@ -127,13 +184,13 @@ class _CandidatePool:
         self.depths = [torch.zeros(batch, 1, dtype=torch.int64, device=device)]
         self.size = 1
 
-    def add(self, tokens, parents, scores, depth: int) -> int:
-        """Append candidates ``[B, n]``; returns the first one's slot."""
+    def add(self, tokens, parents, scores, depths) -> int:
+        """Append candidates ``[B, n]`` (parents: pool slots); returns the first one's slot."""
         first = self.size
         self.tokens.append(tokens.to(torch.int64))
         self.parents.append(parents)
-        self.scores.append(scores)
-        self.depths.append(torch.full_like(parents, depth))
+        self.scores.append(scores.float())
+        self.depths.append(depths)
         self.size += tokens.shape[1]
         return first
 
@@ -159,7 +216,7 @@ def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     ancestor = parents
     for _ in range(max_depth):
         has = ancestor >= 0
-        mask |= torch.nn.functional.one_hot(ancestor.clamp(min=0), size).bool() & has[..., None]
+        mask |= (ancestor[..., None] == torch.arange(size, device=parents.device)) & has[..., None]
         ancestor = torch.where(has, parents.gather(1, ancestor.clamp(min=0)), -1)
     return mask
 
@@ -218,14 +275,15 @@ def emit(accepted: DeviceAccepted, tree: DeviceTree) -> torch.Tensor:
 
 def decode_step(target: DeviceTargetFn, draft: DeviceDraftFn | None, keys: torch.Tensor, values: torch.Tensor,
                 past_lengths: torch.Tensor, root_tokens: torch.Tensor, root_hidden: torch.Tensor,
-                shape: StepShape) -> torch.Tensor:
+                shape: StepShape, given: GivenCandidates | None = None) -> torch.Tensor:
     """One whole step for rows ``[0, shape.batch)``: propose → verify → accept → commit → emit.
 
     keys, values ``[L, B, Hkv, S, D]``; past_lengths ``[B]`` (read only: the host advances its own copy by the
-    counts); root_tokens int64 ``[B]``; root_hidden ``[B, H]`` (overwritten with the next roots' states).
+    counts); root_tokens int64 ``[B]``; root_hidden ``[B, H]`` (overwritten with the next roots' states);
+    given: candidates to merge into the trees (None: the heads' alone).
     Returns :func:`emit`'s tensor; the next root tokens are its last accepted tokens.
     """
-    tree = propose_tree(draft, root_hidden, root_tokens, shape) if draft is not None else root_tree(root_tokens)
+    tree = propose_tree(draft, root_hidden, root_tokens, shape, given)
     logits, h0 = verify(target, tree, past_lengths, shape.kv_len)
     accepted = accept_greedy(logits, tree, shape.path_width)
     commit(keys, values, past_lengths, accepted.path)

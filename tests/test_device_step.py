@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,9 +18,11 @@ from clover.attention import InPlaceAttention, pack_mask, tree_attention
 from clover.backends.device import DeviceEngine, kv_bucket
 from clover.config import SamplingConfig, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
-from clover.device_step import StepShape, accept_greedy, propose_tree, root_tree
+from clover.device_step import (PADDING_SCORE, GivenCandidates, StepShape, accept_greedy, given_arrays, propose_tree,
+                                root_tree)
 from clover.engine_contract import DraftResult
 from clover.kv_cache import KVCache
+from clover.suffix import SuffixProposal
 from tests.conftest import make_drafter, make_target
 from tests.helpers import DeviceOracleEngine, hf_greedy, random_prompts
 
@@ -147,6 +150,85 @@ def test_the_tree_holds_the_best_paths_by_joint_log_probability():
         def path_of(node):
             return () if node == 0 else path_of(parents[node]) + (tokens[node],)
         assert sorted(path_of(n) for n in range(1, len(tokens))) == sorted(best)
+
+
+def test_given_candidates_join_the_tree_by_score_under_their_given_parents():
+    """Suffix candidates (as given token ids, with their own scores) compete with the heads' for the budget:
+    the tree holds the best paths of both sources (brute force), each given node under its given parent."""
+    table = [[-0.1, -0.9, -2.3], [-0.2, -0.5, -3.1]]
+    given = GivenCandidates(tokens=torch.tensor([[40, 41, 42]]), parents=torch.tensor([[-1, 0, 1]]),
+                            depths=torch.tensor([[1, 2, 3]]), scores=torch.tensor([[-0.15, -0.3, -0.6]]))
+    budget = 6
+    shape = StepShape(batch=1, budget=budget, depth=2, top_k=3, width=3, kv_len=64, given=3, given_depth=3)
+    tree = propose_tree(_table_draft(table), torch.zeros(1, 4), torch.tensor([5]), shape, given)
+    head_paths = {p: sum(table[i][r] for i, r in enumerate(p))
+                  for d in (1, 2) for p in itertools.product(range(3), repeat=d)}
+    given_paths = {(40,): -0.15, (40, 41): -0.3, (40, 41, 42): -0.6}
+    best = sorted({**head_paths, **given_paths}.items(), key=lambda item: -item[1])[:budget]
+    parents, tokens = tree.parents[0].tolist(), tree.tokens[0].tolist()
+
+    def path_of(node):
+        return () if node == 0 else path_of(parents[node]) + (tokens[node],)
+    assert sorted(path_of(n) for n in range(1, len(tokens))) == sorted(p for p, _ in best)
+    assert tree.max_depth == 3
+
+
+def test_suffix_proposals_become_given_candidates_scored_below_their_parents():
+    proposal = SuffixProposal(tokens=np.array([7, 8, 9]), parents=np.array([-1, 0, 0]), depths=np.array([1, 2, 2]),
+                              counts=np.array([4, 4, 1]), total=4, match_length=3)
+    arrays = given_arrays([proposal, None], width=4)
+    assert arrays[0, 0, :3].tolist() == [7, 8, 9] and arrays[1, 0, :3].tolist() == [0 - 1, 0, 0]
+    scores = arrays[3, 0]
+    assert scores[0] == pytest.approx(0.0, abs=1e-2) and scores[1] < scores[0] and scores[2] < scores[1]
+    assert (arrays[3, 1] == PADDING_SCORE).all() and (arrays[1, 1] == -1).all()  # no proposal: padding
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_heads_and_suffix_candidates_on_the_device_equal_transformers_generate(seed, batch):
+    target = make_target(seed=seed)
+    engine = DeviceEngine(target, make_drafter(target, num_heads=3, seed=seed + 10), max_seq_len=128)
+    prompts = random_prompts(seed, batch, target.config.vocab_size, 1, 24)
+    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8, proposer="suffix"), max_batch_size=4)
+    assert decoder.device_stepper is not None and decoder.suffix_on
+    results = decoder.generate([GenerationRequest(p, max_new_tokens=48, stop_token_ids=()) for p in prompts])
+    assert [r.token_ids for r in results] == hf_greedy(target, prompts, 48)
+
+
+def test_concurrent_served_requests_on_the_device_engine_equal_their_solo_greedy_decoding(tmp_path):
+    """The serving loop (the in-flight batcher that Triton's model and the OpenAI endpoint drive) on the device
+    engine of a checkpoint: requests from threads, joining a running batch, each equal to generate() alone."""
+    import threading
+
+    from clover.serving.batcher import InflightBatcher
+    from tests.conftest import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "tiny", seed=4)
+    engine = DeviceEngine.from_checkpoint(checkpoint, None, "clover", max_seq_len=256)
+    prompts = random_prompts(9, 6, engine.spec.vocab_size, 2, 20)
+    lengths = [6 + 4 * i for i in range(len(prompts))]
+    outputs = {i: [] for i in range(len(prompts))}
+    finished = [threading.Event() for _ in prompts]
+
+    def collect(i):
+        def on_update(update):
+            outputs[i].extend(update.token_ids)
+            if update.finished:
+                finished[i].set()
+        return on_update
+
+    decoder = lambda: SpeculativeDecoder(engine, "clover", TreeConfig(budget=4), max_batch_size=4)  # noqa: E731
+    with InflightBatcher(decoder) as batcher:
+        threads = [threading.Thread(target=batcher.submit, args=(
+            GenerationRequest(p, max_new_tokens=n, stop_token_ids=()), collect(i)))
+            for i, (p, n) in enumerate(zip(prompts, lengths))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert all(event.wait(120) for event in finished)
+    expected = hf_greedy(checkpoint, prompts, max(lengths))
+    assert [outputs[i] for i in range(len(prompts))] == [e[:n] for e, n in zip(expected, lengths)]
 
 
 def test_greedy_acceptance_takes_the_longest_matching_path():

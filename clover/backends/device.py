@@ -12,6 +12,8 @@ the same step runs eagerly: that is what the token-exactness tests run here.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import itertools
 import logging
 import time
 
@@ -20,14 +22,16 @@ import torch
 
 from clover.attention import InPlaceAttention, unpack_mask
 from clover.backends.torch import TorchEngine
-from clover.device_step import StepShape, decode_step
+from clover.device_step import PADDING_SCORE, GivenCandidates, StepShape, decode_step
 from clover.engine_contract import DraftResult, TargetResult
 from clover.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BUDGET_BUCKETS = (4, 8, 16, 32, 64)  # heads' budgets with graphs of their own, besides 0 and the configured one
 KV_BLOCK = 256  # attended cache positions are rounded up to a power-of-two multiple of this
+CAPTURE_AHEAD_POSITIONS = 1024  # graphs for steps attending to up to this many positions are captured at load
 
 
 def bucket_at_least(buckets, value: int) -> int | None:
@@ -81,8 +85,8 @@ class DeviceEngine(TorchEngine):
     def device_draft(self, hidden, token, head: int) -> DraftResult:
         return self.draft(hidden, token, head)
 
-    def device_stepper(self, cache: KVCache, max_batch_size: int) -> "DeviceStepper":
-        return DeviceStepper(self, cache, max_batch_size)
+    def device_stepper(self, cache: KVCache, max_batch_size: int, max_budget: int = 0) -> "DeviceStepper":
+        return DeviceStepper(self, cache, max_batch_size, max_budget)
 
 
 class DeviceStepper:
@@ -92,9 +96,10 @@ class DeviceStepper:
     position), and the step's input and output buffers, which CUDA graphs read and write.
     """
 
-    def __init__(self, engine: DeviceEngine, cache: KVCache, max_batch_size: int) -> None:
+    def __init__(self, engine: DeviceEngine, cache: KVCache, max_batch_size: int, max_budget: int = 0) -> None:
         self.engine = engine
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch_size) + (max_batch_size,)
+        self.budgets = tuple(sorted({0, max_budget, *(b for b in BUDGET_BUCKETS if b < max_budget)}))
         cache.reserve(self.buckets[-1])
         self.cache = cache
         device, spec = engine.device, engine.spec
@@ -104,6 +109,8 @@ class DeviceStepper:
         pinned = device.type == "cuda"
         self._host_inputs = torch.zeros(2, cache.capacity, dtype=torch.int64, pin_memory=pinned)
         self._graphs: dict[tuple, tuple] = {}  # (shape, cache storage) -> (graph, output)
+        self._pool = torch.cuda.graph_pool_handle() if engine.cuda_graphs else None  # one pool: graphs run in turn
+        self._given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # candidates per row -> device buffers
         self._eager_shapes_logged: set = set()
         self.capture_seconds = 0.0
 
@@ -126,20 +133,42 @@ class DeviceStepper:
             index = torch.tensor(order, device=self.root_hidden.device)
             self.root_hidden[: len(order)] = self.root_hidden.index_select(0, index)
 
-    def shape(self, num_rows: int, budget: int, depth: int, top_k: int) -> StepShape | None:
-        """The step shape for ``num_rows`` live rows, or None when no batch bucket holds them."""
+    def shape(self, num_rows: int, budget: int, depth: int, top_k: int, given: int = 0,
+              given_depth: int = 0) -> StepShape | None:
+        """The step shape for ``num_rows`` live rows, or None when no batch bucket holds them. The budget is
+        rounded down to one of :attr:`budgets`, so a few graphs serve every budget the chooser picks. ``given``,
+        ``given_depth``: suffix candidates per row (padded) and their deepest level, 0 for none."""
         batch = bucket_at_least(self.buckets, num_rows)
         if batch is None:
             return None
-        tokens = 1 + budget if budget and depth else 1
+        budget = max(b for b in self.budgets if b <= budget) if depth or given else 0
         lengths = self.cache.lengths_array
-        needed = (int(lengths.max()) if len(lengths) else 0) + tokens
-        return StepShape(batch, budget if depth else 0, depth if budget else 0, top_k, top_k,
-                         kv_bucket(needed, self.cache.max_seq_len))
+        needed = (int(lengths.max()) if len(lengths) else 0) + (1 + budget if budget else 1)
+        return StepShape(batch, budget, depth if budget else 0, top_k, top_k, kv_bucket(needed, self.cache.max_seq_len),
+                         given if budget else 0, given_depth if budget and given else 0)
+
+    def capture_ahead(self, depth: int, top_k: int, given: int = 0, given_depth: int = 0,
+                      max_positions: int = CAPTURE_AHEAD_POSITIONS) -> None:
+        """Capture the graphs of every batch bucket × budget × attended positions up to ``max_positions`` now (at
+        load), so that serving does not pause to capture; longer contexts are captured when first reached."""
+        if not self.engine.cuda_graphs or self.cache.num_rows:
+            return
+        positions = sorted({kv_bucket(n, self.cache.max_seq_len) for n in range(1, max_positions + 1, KV_BLOCK)})
+        for batch in self.buckets:
+            for budget in self.budgets:
+                for kv_len, with_given in itertools.product(positions, sorted({0, given})):
+                    shape = StepShape(batch, budget, depth if budget else 0, top_k, top_k, kv_len,
+                                      with_given if budget else 0, given_depth if budget and with_given else 0)
+                    if self._key(shape) not in self._graphs:
+                        self._graphs[self._key(shape)] = self._capture(shape)
+        logger.info("captured %d CUDA graphs in %.1f s", len(self._graphs), self.capture_seconds)
 
     @torch.inference_mode()
-    def step(self, shape: StepShape, root_tokens: list[int]) -> np.ndarray:
-        """One decode step of the live rows; returns :func:`clover.device_step.emit`'s rows for them."""
+    def step(self, shape: StepShape, root_tokens: list[int], given: np.ndarray | None = None) -> np.ndarray:
+        """One decode step of the live rows; returns :func:`clover.device_step.emit`'s rows for them.
+
+        given: :func:`clover.device_step.given_arrays` of the rows' suffix proposals, when ``shape.given``.
+        """
         rows = len(root_tokens)
         host = self._host_inputs
         host.zero_()
@@ -147,19 +176,44 @@ class DeviceStepper:
         host[1, :rows] = torch.tensor(root_tokens, dtype=torch.int64)
         self.lengths.copy_(host[0], non_blocking=True)
         self.root_tokens.copy_(host[1], non_blocking=True)
+        if shape.given:
+            self._upload_given(shape.given, given)
         output = self._run(shape)
         return output[:rows].cpu().numpy()  # the step's one device-to-host copy
+
+    def _given_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device buffers of ``width`` given candidates per row: int64 ``[3, capacity, width]`` (tokens,
+        parents, depths) and float32 ``[capacity, width]`` (scores); padding where no row wrote."""
+        if width not in self._given:
+            device = self.root_tokens.device
+            ids = torch.zeros(3, self.cache.capacity, width, dtype=torch.int64, device=device)
+            ids[1] = -1
+            scores = torch.full((self.cache.capacity, width), PADDING_SCORE, device=device)
+            self._given[width] = (ids, scores)
+        return self._given[width]
+
+    def _upload_given(self, width: int, given: np.ndarray) -> None:
+        ids, scores = self._given_buffers(width)
+        rows = given.shape[1]
+        ids[:, :rows].copy_(torch.from_numpy(given[:3].astype(np.int64)), non_blocking=True)
+        scores[:rows].copy_(torch.from_numpy(given[3].astype(np.float32)), non_blocking=True)
+        ids[:, rows:] = 0  # padding rows: no candidates
+        ids[1, rows:] = -1
+        scores[rows:] = PADDING_SCORE
 
     def _run(self, shape: StepShape) -> torch.Tensor:
         if not self.engine.cuda_graphs:
             return self._eager(shape)
-        key = (shape.batch, shape.budget, shape.depth, shape.top_k, shape.width, shape.kv_len,
-               self.cache.buffers[0].data_ptr())
+        key = self._key(shape)
         if key not in self._graphs:
+            logger.info("capturing a CUDA graph for a step shape not captured at load: %s", shape)
             self._graphs[key] = self._capture(shape)
         graph, output = self._graphs[key]
         graph.replay()
         return output
+
+    def _key(self, shape: StepShape) -> tuple:
+        return dataclasses.astuple(shape) + (self.cache.buffers[0].data_ptr(),)
 
     def _eager(self, shape: StepShape) -> torch.Tensor:
         keys, values = self.cache.buffers
@@ -173,8 +227,12 @@ class DeviceStepper:
                                         [values[i, :batch] for i in range(layers)])
 
         draft = engine.device_draft if engine.draft is not None else None
+        given = None
+        if shape.given:
+            ids, scores = self._given_buffers(shape.given)
+            given = GivenCandidates(ids[0, :batch], ids[1, :batch], ids[2, :batch], scores[:batch])
         return decode_step(target, draft, keys[:, :batch], values[:, :batch], self.lengths[:batch],
-                           self.root_tokens[:batch], self.root_hidden[:batch], shape)
+                           self.root_tokens[:batch], self.root_hidden[:batch], shape, given)
 
     def _capture(self, shape: StepShape):
         """A CUDA graph of the step (torch.cuda.graphs: warm up on a side stream, then capture). The warm-up
@@ -189,10 +247,10 @@ class DeviceStepper:
                 self._eager(shape)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self._pool):
             output = self._eager(shape)
         self.root_hidden.copy_(saved_roots)
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - started
-        logger.info("captured a CUDA graph for %s in %.2f s", shape, time.perf_counter() - started)
+        logger.debug("captured a CUDA graph for %s in %.2f s", shape, time.perf_counter() - started)
         return graph, output
