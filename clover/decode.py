@@ -548,14 +548,18 @@ class SpeculativeDecoder:
         return events
 
     def _device_decode_step(self, seqs: list[_Sequence], tree: TreeConfig, started: float) -> list[StepEvent] | None:
-        """One step on the device for every live sequence (docs/gpu-engine.md); None where it cannot run there:
-        a sequence samples, or no batch bucket holds the batch."""
-        if any(not s.request.sampling.greedy for s in seqs):
-            return None
+        """One step on the device for every live sequence (docs/gpu-engine.md); None where it cannot run there
+        (no batch bucket holds the batch)."""
+        settings = [s.request.sampling for s in seqs]
+        sampling = None
+        if any(not setting.greedy for setting in settings):  # tree speculative sampling on the device
+            sampling = np.array([[x.temperature for x in settings], [x.top_k for x in settings],
+                                 [x.top_p for x in settings]])
         proposals = [self._propose(seq, tree.proposer_depth) for seq in seqs] if self.suffix_on else []
         given, given_depth = self._device_given_shape() if any(len(p.tokens) for p in proposals) else (0, 0)
         shape = self.device_stepper.shape(len(seqs), tree.budget if self._heads else 0, self._device_depth(),
-                                          min(self.tree.top_k, self.engine.spec.draft_top_k), given, given_depth)
+                                          min(self.tree.top_k, self.engine.spec.draft_top_k), given, given_depth,
+                                          sampling is not None)
         if shape is None:
             return None
         for row, seq in enumerate(seqs):  # a root state the host holds (after a prefill or a host step)
@@ -563,7 +567,7 @@ class SpeculativeDecoder:
                 self.device_stepper.load_root(row, seq.root_hidden)
                 seq.root_hidden = None
         rows = self.device_stepper.step(shape, [s.root_token for s in seqs],
-                                        given_arrays(proposals, given) if shape.given else None)
+                                        given_arrays(proposals, given) if shape.given else None, sampling)
         width = shape.path_width
         counts, depths = rows[:, width].tolist(), rows[:, width + 1].tolist()
         self.cache.advance(counts)

@@ -67,6 +67,7 @@ class StepShape:
     kv_len: int
     given: int = 0  # candidates given per row (the suffix proposer's), 0 for none
     given_depth: int = 0  # the deepest of them
+    sampling: bool = False  # some row samples (tree speculative sampling); False: greedy acceptance
 
     @property
     def tree_tokens(self) -> int:
@@ -255,6 +256,68 @@ def accept_greedy(logits: torch.Tensor, tree: DeviceTree, path_width: int) -> De
     return DeviceAccepted(path, predicted.gather(1, path.clamp(max=tree.tokens.shape[1] - 1)), counts, deepest)
 
 
+@dataclasses.dataclass
+class DeviceSampling:
+    """Each row's sampling settings as device tensors ``[B]``: temperature float32 (0: greedy), top_k int64 (0: no
+    filter), top_p float32."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+
+def sample_rows(logits: torch.Tensor, sampling: DeviceSampling) -> torch.Tensor:
+    """One token per row from logits ``[B, V]`` after temperature, top-k and top-p (the filters of
+    :func:`clover.verify.target_probs`); the argmax for greedy rows. One uniform number per row, drawn on the device
+    (graph-safe), picks the token by inverse CDF over the sorted distribution."""
+    greedy = sampling.temperature <= 0
+    scaled = logits.float() / torch.where(greedy, 1.0, sampling.temperature)[:, None]
+    ordered, order = torch.sort(scaled, dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    keep = (sampling.top_k[:, None] <= 0) | (rank < sampling.top_k[:, None])
+    probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
+    before = probs.cumsum(-1) - probs  # mass strictly before each token
+    probs = probs.masked_fill(before >= sampling.top_p[:, None], 0.0)
+    cumulative = probs.cumsum(-1)
+    uniform = torch.rand(logits.shape[0], 1, device=logits.device) * cumulative[:, -1:]
+    picked = (cumulative <= uniform).sum(-1).clamp(max=logits.shape[-1] - 1)  # the first index past the draw
+    sampled = order.gather(1, picked[:, None])[:, 0]
+    return torch.where(greedy, logits.argmax(-1), sampled)
+
+
+def accept_sampled(logits: torch.Tensor, tree: DeviceTree, sampling: DeviceSampling,
+                   path_width: int) -> DeviceAccepted:
+    """Tree speculative sampling as a walk down the tree: at the current node draw a token from the target's
+    distribution; a child carrying it is accepted and the walk goes on from there, else the token is the bonus.
+
+    For one-token drafts this is the same distribution as trying the children in turn against the residual
+    (:func:`clover.verify.sampling_accept`): child i is accepted with probability p(x_i), and the token emitted
+    when none is, is distributed as the residual; so every emitted token follows the target's distribution.
+    Greedy rows draw the argmax, which makes this greedy acceptance.
+    """
+    batch = tree.tokens.shape[0]
+    device = logits.device
+    rows = torch.arange(batch, device=device)
+    current = torch.zeros(batch, dtype=torch.int64, device=device)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.arange(path_width, device=device).expand(batch, -1).contiguous()
+    tokens = torch.zeros(batch, path_width, dtype=torch.int64, device=device)
+    counts = torch.ones(batch, dtype=torch.int64, device=device)
+    for depth in range(path_width):
+        drawn = sample_rows(logits[rows, current], sampling)
+        tokens[:, depth] = torch.where(alive, drawn, tokens[:, depth])
+        if depth + 1 == path_width:
+            break
+        match = (tree.parents == current[:, None]) & (tree.tokens == drawn[:, None]) & alive[:, None]
+        found = match.any(-1)
+        child = match.to(torch.int8).argmax(-1)  # the first child carrying the token
+        path[:, depth + 1] = torch.where(found, child, path[:, depth + 1])
+        counts += found
+        current = torch.where(found, child, current)
+        alive &= found
+    return DeviceAccepted(path, tokens, counts, current)
+
+
 def commit(keys: torch.Tensor, values: torch.Tensor, past_lengths: torch.Tensor, path: torch.Tensor) -> None:
     """Move each row's accepted nodes' K/V (written at ``past + node``) to ``past + depth``, for all layers at once.
 
@@ -275,17 +338,22 @@ def emit(accepted: DeviceAccepted, tree: DeviceTree) -> torch.Tensor:
 
 def decode_step(target: DeviceTargetFn, draft: DeviceDraftFn | None, keys: torch.Tensor, values: torch.Tensor,
                 past_lengths: torch.Tensor, root_tokens: torch.Tensor, root_hidden: torch.Tensor,
-                shape: StepShape, given: GivenCandidates | None = None) -> torch.Tensor:
+                shape: StepShape, given: GivenCandidates | None = None,
+                sampling: DeviceSampling | None = None) -> torch.Tensor:
     """One whole step for rows ``[0, shape.batch)``: propose → verify → accept → commit → emit.
 
     keys, values ``[L, B, Hkv, S, D]``; past_lengths ``[B]`` (read only: the host advances its own copy by the
     counts); root_tokens int64 ``[B]``; root_hidden ``[B, H]`` (overwritten with the next roots' states);
-    given: candidates to merge into the trees (None: the heads' alone).
+    given: candidates to merge into the trees (None: the heads' alone); sampling: rows' settings when some row
+    samples (None: greedy for all, the cheaper acceptance).
     Returns :func:`emit`'s tensor; the next root tokens are its last accepted tokens.
     """
     tree = propose_tree(draft, root_hidden, root_tokens, shape, given)
     logits, h0 = verify(target, tree, past_lengths, shape.kv_len)
-    accepted = accept_greedy(logits, tree, shape.path_width)
+    if sampling is None:
+        accepted = accept_greedy(logits, tree, shape.path_width)
+    else:
+        accepted = accept_sampled(logits, tree, sampling, shape.path_width)
     commit(keys, values, past_lengths, accepted.path)
     root_hidden.copy_(h0.gather(1, accepted.deepest[:, None, None].expand(-1, 1, h0.shape[-1]))[:, 0])
     return emit(accepted, tree)

@@ -18,8 +18,8 @@ from clover.attention import InPlaceAttention, pack_mask, tree_attention
 from clover.backends.device import DeviceEngine, kv_bucket
 from clover.config import SamplingConfig, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
-from clover.device_step import (PADDING_SCORE, GivenCandidates, StepShape, accept_greedy, given_arrays, propose_tree,
-                                root_tree)
+from clover.device_step import (PADDING_SCORE, DeviceSampling, GivenCandidates, StepShape, accept_greedy,
+                                accept_sampled, given_arrays, propose_tree, root_tree, sample_rows)
 from clover.engine_contract import DraftResult
 from clover.kv_cache import KVCache
 from clover.suffix import SuffixProposal
@@ -112,7 +112,7 @@ def test_rows_that_join_and_finish_at_different_steps_stay_exact():
     assert [r.stats.num_steps for r in results] == [-(-(n - 1) // 4) for n in lengths]  # 4 tokens a step
 
 
-def test_a_sampling_request_runs_on_the_host_and_greedy_neighbours_stay_exact():
+def test_a_sampling_request_on_the_device_leaves_its_greedy_neighbours_exact():
     target = make_target(seed=3)
     engine = DeviceEngine(target, make_drafter(target, num_heads=3, seed=13), max_seq_len=128)
     prompts = random_prompts(3, 3, target.config.vocab_size, 1, 16)
@@ -120,7 +120,60 @@ def test_a_sampling_request_runs_on_the_host_and_greedy_neighbours_stay_exact():
     results = _generate(engine, "clover", prompts, 4, sampling=sampled)
     expected = hf_greedy(target, prompts, MAX_NEW)
     assert [results[0].token_ids, results[2].token_ids] == [expected[0], expected[2]]
-    assert len(results[1].token_ids) == MAX_NEW
+    assert len(results[1].token_ids) == MAX_NEW and results[1].token_ids != expected[1]
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of observed ``counts`` against ``probs`` (cells with probability 0 must be empty)."""
+    from scipy.stats import chisquare
+
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token outside the distribution's support was drawn"
+    expected = probs[support].double() * counts.sum()
+    return float(chisquare(counts[support].double().numpy(), expected.numpy()).pvalue)
+
+
+SETTINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3),
+            SamplingConfig(temperature=1.3, top_p=0.8)]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=["plain", "top-k", "top-p"])
+def test_device_sampling_draws_from_the_targets_distribution(setting):
+    from clover.verify import target_probs
+
+    torch.manual_seed(0)
+    draws = 20000
+    logits = torch.tensor([2.0, 1.5, 0.3, -0.2, 1.1, -1.0])
+    sampling = DeviceSampling(torch.full((draws,), setting.temperature), torch.full((draws,), setting.top_k),
+                              torch.full((draws,), setting.top_p))
+    drawn = sample_rows(logits.expand(draws, -1), sampling)
+    assert _chi_square_p(torch.bincount(drawn, minlength=6), target_probs(logits, setting)) > 1e-4
+
+
+def test_tree_sampling_on_the_device_emits_the_targets_distribution_at_every_depth():
+    """A root with three children (two of them with children): the first token must follow the root's
+    distribution and the second the distribution of the child the first one went to, or the bonus token's."""
+    from clover.device_step import DeviceTree, ancestor_masks
+    from clover.verify import target_probs
+
+    torch.manual_seed(1)
+    draws, setting = 30000, SamplingConfig(temperature=1.0)
+    parents = torch.tensor([[-1, 0, 0, 0, 1, 1, 2]])
+    tokens = torch.tensor([[9, 0, 1, 4, 2, 3, 0]])
+    depths = torch.tensor([[0, 1, 1, 1, 2, 2, 2]])
+    node_logits = torch.randn(7, 6)
+    tree = DeviceTree(*(t.expand(draws, -1) for t in (tokens, depths, parents)),
+                      ancestor_masks(parents, 2).expand(draws, -1, -1), 2)
+    sampling = DeviceSampling(torch.ones(draws), torch.zeros(draws, dtype=torch.int64), torch.ones(draws))
+    accepted = accept_sampled(node_logits.expand(draws, -1, -1), tree, sampling, 3)
+    first, second = accepted.tokens[:, 0], accepted.tokens[:, 1]
+    assert _chi_square_p(torch.bincount(first, minlength=6), target_probs(node_logits[0], setting)) > 1e-4
+    for token, node in ((0, 1), (1, 2), (4, 3)):  # after token t the walk is at the child carrying it
+        went = first == token
+        assert (accepted.path[went, 1] == node).all() and (accepted.counts[went] >= 2).all()
+        probs = target_probs(node_logits[node], setting)
+        assert _chi_square_p(torch.bincount(second[went], minlength=6), probs) > 1e-4
+    assert (accepted.counts[(first != 0) & (first != 1) & (first != 4)] == 1).all()  # a bonus token ends it
 
 
 def _table_draft(logprob_table):
@@ -257,10 +310,15 @@ def test_the_whole_step_traces_as_one_graph_and_a_host_read_would_break_it():
     stepper = engine.device_stepper(cache, 4)
     stepper.lengths[:4] = torch.tensor([3, 5, 7, 2])
     shape = StepShape(batch=4, budget=8, depth=3, top_k=8, width=8, kv_len=128)
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        out = torch.compile(lambda: stepper._eager(shape), backend="eager", fullgraph=True)()
-    assert out.shape == (4, shape.path_width + 2)
+    sampled = StepShape(batch=4, budget=8, depth=3, top_k=8, width=8, kv_len=128, given=6, given_depth=4,
+                        sampling=True)
+    for each in (shape, sampled):
+        with torch.inference_mode():
+            stepper._eager(each)  # allocates the candidates' buffers on first use, outside the trace
+        torch._dynamo.reset()
+        with torch.inference_mode():
+            out = torch.compile(lambda: stepper._eager(each), backend="eager", fullgraph=True)()
+        assert out.shape == (4, each.path_width + 2)
 
     inner = engine.device_draft
     engine.device_draft = lambda hidden, token, head: inner(hidden, token, head) if int(token.max()) >= 0 else None

@@ -22,7 +22,7 @@ import torch
 
 from clover.attention import InPlaceAttention, unpack_mask
 from clover.backends.torch import TorchEngine
-from clover.device_step import PADDING_SCORE, GivenCandidates, StepShape, decode_step
+from clover.device_step import PADDING_SCORE, DeviceSampling, GivenCandidates, StepShape, decode_step
 from clover.engine_contract import DraftResult, TargetResult
 from clover.kv_cache import KVCache
 
@@ -111,6 +111,7 @@ class DeviceStepper:
         self._graphs: dict[tuple, tuple] = {}  # (shape, cache storage) -> (graph, output)
         self._pool = torch.cuda.graph_pool_handle() if engine.cuda_graphs else None  # one pool: graphs run in turn
         self._given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # candidates per row -> device buffers
+        self._settings = torch.zeros(3, cache.capacity, device=device)  # temperature, top-k, top-p per row
         self._eager_shapes_logged: set = set()
         self.capture_seconds = 0.0
 
@@ -134,10 +135,11 @@ class DeviceStepper:
             self.root_hidden[: len(order)] = self.root_hidden.index_select(0, index)
 
     def shape(self, num_rows: int, budget: int, depth: int, top_k: int, given: int = 0,
-              given_depth: int = 0) -> StepShape | None:
+              given_depth: int = 0, sampling: bool = False) -> StepShape | None:
         """The step shape for ``num_rows`` live rows, or None when no batch bucket holds them. The budget is
         rounded down to one of :attr:`budgets`, so a few graphs serve every budget the chooser picks. ``given``,
-        ``given_depth``: suffix candidates per row (padded) and their deepest level, 0 for none."""
+        ``given_depth``: suffix candidates per row (padded) and their deepest level, 0 for none; ``sampling``: some
+        row samples."""
         batch = bucket_at_least(self.buckets, num_rows)
         if batch is None:
             return None
@@ -145,7 +147,7 @@ class DeviceStepper:
         lengths = self.cache.lengths_array
         needed = (int(lengths.max()) if len(lengths) else 0) + (1 + budget if budget else 1)
         return StepShape(batch, budget, depth if budget else 0, top_k, top_k, kv_bucket(needed, self.cache.max_seq_len),
-                         given if budget else 0, given_depth if budget and given else 0)
+                         given if budget else 0, given_depth if budget and given else 0, sampling)
 
     def capture_ahead(self, depth: int, top_k: int, given: int = 0, given_depth: int = 0,
                       max_positions: int = CAPTURE_AHEAD_POSITIONS) -> None:
@@ -164,10 +166,12 @@ class DeviceStepper:
         logger.info("captured %d CUDA graphs in %.1f s", len(self._graphs), self.capture_seconds)
 
     @torch.inference_mode()
-    def step(self, shape: StepShape, root_tokens: list[int], given: np.ndarray | None = None) -> np.ndarray:
+    def step(self, shape: StepShape, root_tokens: list[int], given: np.ndarray | None = None,
+             sampling: np.ndarray | None = None) -> np.ndarray:
         """One decode step of the live rows; returns :func:`clover.device_step.emit`'s rows for them.
 
-        given: :func:`clover.device_step.given_arrays` of the rows' suffix proposals, when ``shape.given``.
+        given: :func:`clover.device_step.given_arrays` of the rows' suffix proposals, when ``shape.given``;
+        sampling: float ``[3, rows]`` temperature, top-k and top-p per row, when ``shape.sampling``.
         """
         rows = len(root_tokens)
         host = self._host_inputs
@@ -178,6 +182,9 @@ class DeviceStepper:
         self.root_tokens.copy_(host[1], non_blocking=True)
         if shape.given:
             self._upload_given(shape.given, given)
+        if shape.sampling:
+            self._settings.zero_()  # padding rows: greedy
+            self._settings[:, :rows].copy_(torch.from_numpy(np.asarray(sampling, dtype=np.float32)), non_blocking=True)
         output = self._run(shape)
         return output[:rows].cpu().numpy()  # the step's one device-to-host copy
 
@@ -231,8 +238,12 @@ class DeviceStepper:
         if shape.given:
             ids, scores = self._given_buffers(shape.given)
             given = GivenCandidates(ids[0, :batch], ids[1, :batch], ids[2, :batch], scores[:batch])
+        sampling = None
+        if shape.sampling:
+            settings = self._settings[:, :batch]
+            sampling = DeviceSampling(settings[0], settings[1].to(torch.int64), settings[2])
         return decode_step(target, draft, keys[:, :batch], values[:, :batch], self.lengths[:batch],
-                           self.root_tokens[:batch], self.root_hidden[:batch], shape, given)
+                           self.root_tokens[:batch], self.root_hidden[:batch], shape, given, sampling)
 
     def _capture(self, shape: StepShape):
         """A CUDA graph of the step (torch.cuda.graphs: warm up on a side stream, then capture). The warm-up
