@@ -306,7 +306,8 @@ class SpeculativeDecoder:
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # index == cache row
         self._cancelled: set[int] = set()
-        self.adaptive = self._adaptive_budget(cost_model or getattr(engine, "cost_model", None), step_timing)
+        self.adaptive = self._adaptive_budget(cost_model or getattr(engine, "cost_model", None)
+                                              or self._device_cost_model(), step_timing)
         max_tree = len(self.tree.static_choices) if self.tree.static_choices is not None else self.tree.budget
         self._max_step_tokens = 1 + (max_tree if method != "vanilla" else 0)
         self._heads = uses_heads(method)
@@ -321,6 +322,15 @@ class SpeculativeDecoder:
         given, given_depth = self._device_given_shape()
         stepper.capture_ahead(self._device_depth(), min(self.tree.top_k, engine.spec.draft_top_k), given, given_depth)
         return stepper
+
+    def _device_cost_model(self) -> CostModel | None:
+        """Steps on a GPU timed at load for the adaptive budget, where the engine brought no cost model and the
+        tree may adapt (docs/gpu-engine.md#adaptive-budget); None elsewhere (on a CPU the step runs eagerly, and
+        the engine's own calibration prices it)."""
+        stepper = self.device_stepper
+        if stepper is None or not stepper.graphs or self.tree.adaptive is False or not uses_heads(self.method):
+            return None
+        return stepper.calibrate(self._device_depth(), min(self.tree.top_k, self.engine.spec.draft_top_k))
 
     def _device_depth(self) -> int:
         """Heads a device step drafts with (0 for vanilla)."""

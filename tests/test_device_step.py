@@ -328,6 +328,19 @@ def test_the_whole_step_traces_as_one_graph_and_a_host_read_would_break_it():
             torch.compile(lambda: stepper._eager(shape), backend="eager", fullgraph=True)()
 
 
+def test_calibration_times_every_step_shape_into_a_cost_model():
+    target = make_target(seed=0)
+    engine = DeviceEngine(target, make_drafter(target, num_heads=3, seed=10), max_seq_len=128)
+    spec = engine.spec
+    cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, capacity=4)
+    stepper = engine.device_stepper(cache, 4, max_budget=8)
+    model = stepper.calibrate(depth=3, top_k=8, repeats=1)
+    assert [x for x, _ in model.target] == [1, 2, 4, 5, 9]  # vanilla at batch 1, 2, 4; batch 1 at budgets 4, 8
+    assert [x for x, _ in model.target_batched] == [2 * 5, 2 * 9, 4 * 5, 4 * 9]  # trees of 2 and 4 rows
+    assert all(a[1] <= b[1] for a, b in zip(model.target, model.target[1:]))  # fitted non-decreasing
+    assert model.draft == [] and model.step_time(1, 8, 1.0, 3) == pytest.approx(model.target_time(9))
+
+
 def test_root_trees_are_one_node():
     tree = root_tree(torch.tensor([3, 4]))
     assert tree.tokens.tolist() == [[3], [4]] and tree.parents.tolist() == [[-1], [-1]]

@@ -20,8 +20,10 @@ import time
 import numpy as np
 import torch
 
+from clover.adaptive import CostModel, monotone_fit
 from clover.attention import InPlaceAttention, unpack_mask
 from clover.backends.torch import TorchEngine
+from clover.config import TreeConfig
 from clover.device_step import PADDING_SCORE, DeviceSampling, GivenCandidates, StepShape, decode_step
 from clover.engine_contract import DraftResult, TargetResult
 from clover.kv_cache import KVCache
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 BUDGET_BUCKETS = (4, 8, 16, 32, 64)  # heads' budgets with graphs of their own, besides 0 and the configured one
 KV_BLOCK = 256  # attended cache positions are rounded up to a power-of-two multiple of this
+GPU_TREE_BUDGET = 32
 CAPTURE_AHEAD_POSITIONS = 1024  # graphs for steps attending to up to this many positions are captured at load
 
 
@@ -63,6 +66,13 @@ class DeviceEngine(TorchEngine):
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; this engine is on " + str(self.device))
 
+    @property
+    def tree_defaults(self) -> TreeConfig:
+        """The tree a server runs on this engine by default: on a GPU a tree of 32 draft nodes, which the adaptive
+        budget shrinks where it does not pay (a tree costs little more than one token there: docs/gpu-engine.md);
+        on a CPU the torch engine's default."""
+        return TreeConfig(budget=GPU_TREE_BUDGET) if self.cuda_graphs else TreeConfig()
+
     # -- the contract's callables, for the prefill and for steps the host runs ------------------------------
 
     @torch.inference_mode()
@@ -87,6 +97,23 @@ class DeviceEngine(TorchEngine):
 
     def device_stepper(self, cache: KVCache, max_batch_size: int, max_budget: int = 0) -> "DeviceStepper":
         return DeviceStepper(self, cache, max_batch_size, max_budget)
+
+
+def _median_seconds(run, repeats: int, device: torch.device) -> float:
+    """Median wall seconds of ``run()`` after one warm-up, the device's queue drained around each."""
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    run()
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        began = time.perf_counter()
+        run()
+        synchronize()
+        times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2]
 
 
 class DeviceStepper:
@@ -164,6 +191,26 @@ class DeviceStepper:
                     if self._key(shape) not in self._graphs:
                         self._graphs[self._key(shape)] = self._capture(shape)
         logger.info("captured %d CUDA graphs in %.1f s", len(self._graphs), self.capture_seconds)
+
+    @torch.inference_mode()
+    def calibrate(self, depth: int, top_k: int, repeats: int = 5) -> CostModel:
+        """A cost model of whole steps (docs/gpu-engine.md#adaptive-budget): each batch bucket × budget timed as
+        it runs (graph replays on a GPU; the median of ``repeats``), at the shortest attended length. Steps of one
+        row or without a tree price ``target`` by the step's tokens in flight; trees of several rows
+        ``target_batched``; the draft steps are inside every step's time, so ``draft`` stays empty."""
+        saved_roots = self.root_hidden.clone()
+        curves: dict[str, list] = {"target": [], "target_batched": []}
+        for batch in self.buckets:
+            for budget in self.budgets:
+                shape = StepShape(batch, budget, depth if budget else 0, top_k, top_k, min(KV_BLOCK,
+                                  self.cache.max_seq_len))
+                seconds = _median_seconds(lambda: self._run(shape), repeats, self.root_hidden.device)
+                curve = "target" if batch == 1 or shape.tree_tokens == 1 else "target_batched"
+                curves[curve].append([batch * shape.tree_tokens, seconds])
+        self.root_hidden.copy_(saved_roots)
+        where = torch.cuda.get_device_name() if self.engine.cuda_graphs else "cpu"
+        return CostModel(monotone_fit(curves["target"]), [], source=f"device engine steps on {where}, measured at load",
+                         target_batched=monotone_fit(curves["target_batched"]))
 
     @torch.inference_mode()
     def step(self, shape: StepShape, root_tokens: list[int], given: np.ndarray | None = None,

@@ -85,7 +85,8 @@ def _load_torch(checkpoint_dir: Path, method: str) -> LoadedEngine:
     chosen = "clover" if method == "auto" else method
     # on a GPU the device engine (docs/gpu-engine.md), on a CPU the torch reference
     engine = load_checkpoint_engine(str(checkpoint_dir), None, chosen, max_seq_len=2048)
-    return LoadedEngine(engine, load_tokenizer(engine.checkpoint_dir), chosen, TreeConfig(), TORCH_MAX_BATCH,
+    tree = getattr(engine, "tree_defaults", TreeConfig())  # the device engine's on a GPU: bigger trees
+    return LoadedEngine(engine, load_tokenizer(engine.checkpoint_dir), chosen, tree, TORCH_MAX_BATCH,
                         f"torch engine on {checkpoint_dir}")
 
 
