@@ -209,8 +209,8 @@ class DeviceStepper:
                 curves[curve].append([batch * shape.tree_tokens, seconds])
         self.root_hidden.copy_(saved_roots)
         where = torch.cuda.get_device_name() if self.engine.cuda_graphs else "cpu"
-        return CostModel(monotone_fit(curves["target"]), [], source=f"device engine steps on {where}, measured at load",
-                         target_batched=monotone_fit(curves["target_batched"]))
+        return CostModel(monotone_fit(sorted(curves["target"])), [], source=f"device engine steps on {where}, measured at load",
+                         target_batched=monotone_fit(sorted(curves["target_batched"])))
 
     @torch.inference_mode()
     def step(self, shape: StepShape, root_tokens: list[int], given: np.ndarray | None = None,
