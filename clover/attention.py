@@ -147,6 +147,16 @@ class InPlaceAttention:
         tree = tree_visible.gather(2, column) & in_flight[:, None, :]
         self.visible = ((offset < 0)[:, None, :] | tree)[:, None]  # [B, 1, T, kv]
         self.kv_len = kv_len
+        self.past_lengths, self.tree_visible = past_lengths, tree_visible
+        self.kernel = None  # an op with tree_attention's signature (the CUDA kernel), else SDPA
+        self.packed_mask = None
+
+    def use_kernel(self, kernel) -> None:
+        """Attend with ``kernel`` (``tree_attention``'s signature, e.g. the TreeAttention CUDA kernel's torch op)
+        instead of SDPA: it reads the cache up to each row's length and the new tokens from their own tensors."""
+        self.kernel = kernel
+        self.packed_mask = pack_mask(self.tree_visible)
+        self.past_lengths = self.past_lengths.to(torch.int32)
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float | None = None) -> torch.Tensor:
         """q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]``, caches ``[B, Hkv, S, D]`` (written) -> ``[B, T, Hq, D]``."""
@@ -154,6 +164,9 @@ class InPlaceAttention:
         index = self.write_index[:, None, :, None].expand(batch, num_kv_heads, num_tokens, head_dim)
         k_cache.scatter_(2, index, k.transpose(1, 2).to(k_cache.dtype))
         v_cache.scatter_(2, index, v.transpose(1, 2).to(v_cache.dtype))
+        if self.kernel is not None:
+            return self.kernel(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, self.past_lengths,
+                               self.packed_mask, scale)
         keys, values = k_cache[:, :, : self.kv_len], v_cache[:, :, : self.kv_len]
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=self.visible, scale=scale,

@@ -75,11 +75,11 @@ class Step:
 
 
 STEPS = (
-    Step("gpu_engine", "the device engine: lossless from CUDA graphs, step timings at the 8B shape", 150, 200, 60),
-    Step("gpu_engine_demo", "the demo model on the device engine: MT-bench speed, bf16 agreement", 150, 200, 60),
     Step("kernel_build", "JIT-build the TreeAttention CUDA kernel", 300, 0, 60, needs_cuda=True),
     Step("kernel_correctness", "kernel vs clover.attention.tree_attention, fp32/fp16/bf16", 120, 0, 30,
          needs_cuda=True, needs_steps=("kernel_build",)),
+    Step("gpu_engine", "the device engine: lossless from CUDA graphs, step timings at the 8B shape", 150, 200, 60),
+    Step("gpu_engine_demo", "the demo model on the device engine: MT-bench speed, bf16 agreement", 150, 200, 60),
     Step("lossless_decode", "speculative decoding on the device == transformers generate()", 120, 150, 30),
     Step("decode_timings", "target pass and draft step at the Llama-3-8B shape, bf16", 150, 120, 60),
     Step("train_step", "one online-feature training step at that shape (training/cost_probe.py)", 150, 150, 60),

@@ -210,8 +210,21 @@ def _graphed(fn):
     return graph.replay
 
 
+def kernel_engine(ctx, vanilla, plan: EnginePlan):
+    """The vanilla engine's target with the TreeAttention kernel as its attention, when kernel_build passed in this
+    run (its extension is then loaded, not rebuilt); else (None, why not)."""
+    from clover.backends.device import DeviceEngine
+    from gpu_check_steps import built_kernel
+
+    extension, why_not = built_kernel(ctx)
+    if extension is None:
+        return None, why_not
+    return DeviceEngine(vanilla.target_step.target, None, max_seq_len=plan.max_seq_len, attention="kernel"), None
+
+
 def timing_tables(ctx, plan: EnginePlan) -> tuple[list[dict], dict]:
     vanilla, clover = step_engines(ctx, plan)
+    kernel, why_not = kernel_engine(ctx, vanilla, plan)
     rate = copy_rate(ctx.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in vanilla.target_step.parameters())
     bound_ms = round(weight_bytes / rate * 1e3, 3) if rate else None
@@ -221,14 +234,16 @@ def timing_tables(ctx, plan: EnginePlan) -> tuple[list[dict], dict]:
         for tokens in plan.trees:
             ms = one if tokens == 1 else verify_ms(vanilla, batch, tokens, plan, ctx)
             probe = PROBE_MS.get((batch, tokens)) if plan.shape == "llama3-8b" else None
-            verify_rows.append([batch, tokens, ms, round(ms / one, 3), probe])
+            with_kernel = verify_ms(kernel, batch, tokens, plan, ctx) if kernel is not None else None
+            verify_rows.append([batch, tokens, ms, round(ms / one, 3), probe, with_kernel])
         base = step_ms(vanilla, batch, 0, plan, ctx)
         step_rows.append([batch, "vanilla", base, 1.0, None if bound_ms is None else round(base / bound_ms, 3)])
         for budget in plan.budgets:
             ms = step_ms(clover, batch, budget, plan, ctx)
             step_rows.append([batch, f"Clover, 3 heads, budget {budget}", ms, round(ms / base, 3), None])
-    tables = [report.table("tree-verify pass (target only), ms", ["batch", "tree tokens", "ms", "÷ one-token pass",
-                                                                  "probe ms"], verify_rows),
+    tables = [report.table("tree-verify pass (target only), ms; attention by SDPA, and by the TreeAttention kernel "
+                           f"({'timed' if kernel is not None else why_not})",
+                           ["batch", "tree tokens", "ms", "÷ one-token pass", "probe ms", "kernel ms"], verify_rows),
               report.table("whole decode step (inputs up, graph, one copy back), ms",
                            ["batch", "step", "ms", "÷ vanilla step", "÷ memory bound"], step_rows)]
     tables.append(report.table("aims (issue 44, on one H200)", ["aim", "measured", "target", "met"],
@@ -240,7 +255,7 @@ def timing_tables(ctx, plan: EnginePlan) -> tuple[list[dict], dict]:
 
 def aim_rows(verify_rows, step_rows, plan: EnginePlan) -> list[list]:
     """The aims the timings can answer: [aim, measured, target, met]; absent shapes are left out."""
-    verify = {(b, t): ratio for b, t, _, ratio, _ in verify_rows}
+    verify = {(b, t): ratio for b, t, _, ratio, *_ in verify_rows}
     steps = {(b, name): (ms, ratio) for b, name, ms, ratio, _ in step_rows}
     budget = max(plan.budgets)
     wanted = [("vanilla step, batch 1, ms", steps.get((1, "vanilla"), (None,))[0], 4.6),

@@ -67,6 +67,34 @@ def test_in_place_attention_equals_the_reference_and_writes_the_cache(seed):
         torch.testing.assert_close(values[b, :, :start], v_cache[b, :, :start])  # the cache before: untouched
 
 
+def test_a_kernel_with_the_reference_ops_signature_attends_as_sdpa_does():
+    """The kernel path (the CUDA kernel's op on a GPU) reads the cache and the new tokens apart; with the reference
+    op standing in for the kernel it must give SDPA's result, and write the cache the same way."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 5, 4, 8, generator=gen)
+    k, v = (torch.randn(2, 5, 2, 8, generator=gen) for _ in range(2))
+    cache = [torch.randn(2, 2, 32, 8, generator=gen) for _ in range(2)]
+    mask = _random_tree_masks(gen, 2, 5)
+    past = torch.tensor([3, 9])
+    plain = InPlaceAttention(past, mask, 16)
+    kernel = InPlaceAttention(past, mask, 16)
+    kernel.use_kernel(tree_attention)
+    written = [[c.clone() for c in cache] for _ in range(2)]
+    torch.testing.assert_close(kernel.attend(q, k, v, *written[1]), plain.attend(q, k, v, *written[0]),
+                               atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(*written))
+
+
+def test_the_kernel_attention_needs_cuda():
+    from clover.config import ConfigError
+
+    target = make_target(seed=0)
+    with pytest.raises(ConfigError, match="CUDA"):
+        DeviceEngine(target, None, attention="kernel")
+    with pytest.raises(ConfigError, match="sdpa or kernel"):
+        DeviceEngine(target, None, attention="flash")
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("budget", [0, 1, 4, 16])
 @pytest.mark.parametrize("batch", [1, 4])

@@ -15,7 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STEPS = ["gpu_engine", "gpu_engine_demo", "kernel_build", "kernel_correctness", "lossless_decode", "decode_timings", "train_step", "distributed_step"]
+STEPS = ["kernel_build", "kernel_correctness", "gpu_engine", "gpu_engine_demo", "lossless_decode", "decode_timings", "train_step", "distributed_step"]
 CUDA_ONLY = ["kernel_build", "kernel_correctness"]
 MIB = 1 << 20
 

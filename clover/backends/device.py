@@ -23,7 +23,7 @@ import torch
 from clover.adaptive import CostModel, monotone_fit
 from clover.attention import InPlaceAttention, unpack_mask
 from clover.backends.torch import TorchEngine
-from clover.config import TreeConfig
+from clover.config import ConfigError, TreeConfig
 from clover.device_step import PADDING_SCORE, DeviceSampling, GivenCandidates, StepShape, decode_step
 from clover.engine_contract import DraftResult, TargetResult
 from clover.kv_cache import KVCache
@@ -52,19 +52,40 @@ def kv_bucket(needed: int, max_seq_len: int) -> int:
     return min(size, max_seq_len)
 
 
+def _attention_kernel(attention: str, device: torch.device):
+    """The TreeAttention kernel's op for ``attention="kernel"``, None for SDPA; a clear error where it cannot be."""
+    if attention not in ("sdpa", "kernel"):
+        raise ConfigError(f"attention {attention!r}: choose sdpa or kernel")
+    if attention == "sdpa":
+        return None
+    if device.type != "cuda":
+        raise ConfigError("attention=kernel needs a CUDA device (the kernel is CUDA code); use sdpa")
+    from trt_plugins.torch_ext import load_extension  # import-guarded: builds with nvcc on first use
+
+    extension = load_extension()
+
+    def kernel(q, k, v, k_cache, v_cache, past_lengths, packed_mask, scale=None):
+        return extension.tree_attention(q, k, v, k_cache, v_cache, past_lengths, packed_mask,
+                                        0.0 if scale is None else scale)
+    return kernel
+
+
 class DeviceEngine(TorchEngine):
     """A torch engine whose decode step runs on the device (:meth:`device_stepper`).
 
-    ``cuda_graphs``: capture steps as CUDA graphs (on a CUDA device only; default there).
+    ``cuda_graphs``: capture steps as CUDA graphs (on a CUDA device only; default there). ``attention``: ``sdpa``
+    (default) or ``kernel``, the project's TreeAttention CUDA kernel as a torch op (built with nvcc on first use:
+    ``trt_plugins/torch_ext``; docs/gpu-engine.md#attention).
     """
 
     writes_cache_in_place = True
 
-    def __init__(self, *args, cuda_graphs: bool | None = None, **kwargs) -> None:
+    def __init__(self, *args, cuda_graphs: bool | None = None, attention: str = "sdpa", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; this engine is on " + str(self.device))
+        self.attention_kernel = _attention_kernel(attention, self.device)
 
     @property
     def tree_defaults(self) -> TreeConfig:
@@ -89,6 +110,8 @@ class DeviceEngine(TorchEngine):
 
     def device_target(self, input_ids, position_ids, attention: InPlaceAttention, k_cache, v_cache):
         """(logits, h0) of one pass on device tensors, writing the cache in place."""
+        if self.attention_kernel is not None:
+            attention.use_kernel(self.attention_kernel)
         out = self.target_step(input_ids, position_ids, attention.write_index[:, 0], attention, k_cache, v_cache)
         return out.logits, out.h0
 
