@@ -479,24 +479,40 @@ class SpeculativeDecoder:
         position_ids = torch.arange(width).expand(batch, -1).contiguous()
         new_rows = self.cache.add_rows(batch)
         rows = slice(new_rows.start, new_rows.stop)
-        k_cache, v_cache = self.cache.views(rows)
-        result = self.engine.target(input_ids, position_ids, torch.zeros(batch, dtype=torch.int32),
-                                    causal_packed_mask(batch, width), k_cache, v_cache)
-        self.cache.commit(result.present_keys, result.present_values,
-                          torch.arange(width).expand(batch, -1), lengths, rows=rows)
+        if self.device_stepper is not None:  # on the device: only the first tokens come back
+            first = self.device_stepper.prefill(rows, input_ids, lengths, self._sampling_rows(seqs))
+            self.cache.commit(None, None, torch.arange(width).expand(batch, -1), lengths, rows=rows)
+            result, roots = None, [None] * batch
+        else:
+            k_cache, v_cache = self.cache.views(rows)
+            result = self.engine.target(input_ids, position_ids, torch.zeros(batch, dtype=torch.int32),
+                                        causal_packed_mask(batch, width), k_cache, v_cache)
+            self.cache.commit(result.present_keys, result.present_values,
+                              torch.arange(width).expand(batch, -1), lengths, rows=rows)
+            last = lengths - 1
+            first = [sample_token(result.logits[i, last[i]], s.request.sampling, s.generator)
+                     for i, s in enumerate(seqs)]
+            roots = [result.h0[i, last[i]].clone() for i in range(batch)]
         self._running.extend(seqs)
-        last = lengths - 1
         events = []
-        for i, seq in enumerate(seqs):
-            token = sample_token(result.logits[i, last[i]], seq.request.sampling, seq.generator)
-            seq.root_token = token
-            seq.root_hidden = result.h0[i, last[i]].clone()
+        for seq, token, root in zip(seqs, first, roots):
+            seq.root_token, seq.root_hidden = token, root  # root None: the device stepper holds it
             if self.suffix_on:
                 seq.suffix = SuffixIndex(seq.request.prompt_ids)
             events.append(self._event(seq, seq.emit([token])))
-        self._draft_after_prefill(seqs, rows, result.h0, input_ids, lengths)
+        if result is not None:
+            self._draft_after_prefill(seqs, rows, result.h0, input_ids, lengths)
         self._remove([new_rows.start + i for i, s in enumerate(seqs) if s.finish_reason])
         return events
+
+    @staticmethod
+    def _sampling_rows(seqs: list[_Sequence]) -> np.ndarray | None:
+        """float ``[3, n]``: temperature, top-k and top-p per sequence, for a step on the device; None when every
+        sequence decodes greedily."""
+        settings = [s.request.sampling for s in seqs]
+        if all(setting.greedy for setting in settings):
+            return None
+        return np.array([[x.temperature for x in settings], [x.top_k for x in settings], [x.top_p for x in settings]])
 
     def _decode_step(self) -> list[StepEvent]:
         seqs = self._running
@@ -560,11 +576,7 @@ class SpeculativeDecoder:
     def _device_decode_step(self, seqs: list[_Sequence], tree: TreeConfig, started: float) -> list[StepEvent] | None:
         """One step on the device for every live sequence (docs/gpu-engine.md); None where it cannot run there
         (no batch bucket holds the batch)."""
-        settings = [s.request.sampling for s in seqs]
-        sampling = None
-        if any(not setting.greedy for setting in settings):  # tree speculative sampling on the device
-            sampling = np.array([[x.temperature for x in settings], [x.top_k for x in settings],
-                                 [x.top_p for x in settings]])
+        sampling = self._sampling_rows(seqs)  # None: greedy acceptance, else tree speculative sampling
         proposals = [self._propose(seq, tree.proposer_depth) for seq in seqs] if self.suffix_on else []
         given, given_depth = self._device_given_shape() if any(len(p.tokens) for p in proposals) else (0, 0)
         shape = self.device_stepper.shape(len(seqs), tree.budget if self._heads else 0, self._device_depth(),

@@ -110,34 +110,39 @@ class DeviceOracleEngine(DeviceEngine):
     """:class:`OracleEngine` for the device step (docs/gpu-engine.md): a drafter that proposes the vanilla
     continuation, written as tensor ops so the step stays on the device.
 
-    The prefill (on the host) stores each sequence's index in one extra KV layer; the device target reads it
-    back from there and sends (sequence, position) as ``h0``; ``draft_step`` looks up the continuation at the
-    next position in a table, as its top-1 (log-prob 0), the rest of its top-k at -20.
+    A prefill (the pass at position 0) finds its sequence by the prompt it starts with and stores the index in
+    one extra KV layer; every pass reads it back from there and sends (sequence, position) as ``h0``;
+    ``draft_step`` looks up the continuation at the next position in a table, as its top-1 (log-prob 0), the
+    rest of its top-k at -20.
     """
 
     def __init__(self, target, prompts: list[list[int]], continuations: list[list[int]], num_heads: int = 3,
                  top_k: int = 4, max_seq_len: int = 128) -> None:
         super().__init__(target, None, max_seq_len=max_seq_len)
-        self.prompts = [tuple(p) for p in prompts]
         full = [list(p) + list(c) for p, c in zip(prompts, continuations)]
         width = max_seq_len + 2
         self.table = torch.tensor([f + [0] * (width - len(f)) for f in full], device=self.device)
+        longest = max(len(p) for p in prompts)
+        self.prompt_table = torch.tensor([list(p) + [-1] * (longest - len(p)) for p in prompts], device=self.device)
+        self.prompt_lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         self.draft = self.device_draft  # the step drafts when the engine has a draft
         self.spec = dataclasses.replace(self.spec, num_kv_layers=self.spec.num_kv_layers + 1,
                                         num_draft_heads=num_heads, drafter_method="clover", draft_top_k=top_k)
 
-    def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
-        for b in range(input_ids.shape[0]):
-            if int(past_lengths[b]) == 0:  # a prefill: identify the sequence by its prompt
-                row = input_ids[b].tolist()
-                matching = [i for i, p in enumerate(self.prompts) if tuple(row[: len(p)]) == p]
-                k_cache[-1][b].fill_(max(matching, key=lambda i: len(self.prompts[i])))
-        return super().target(input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache)
+    def _prompt_index(self, input_ids):
+        """int64 ``[B]``: the longest prompt each row starts with (a prefill's rows)."""
+        width = min(input_ids.shape[1], self.prompt_table.shape[1])
+        same = (input_ids[:, None, :width] == self.prompt_table[None, :, :width]) | (self.prompt_table[None, :, :width] < 0)
+        starts = same.all(-1) & (self.prompt_lengths[None, :] <= input_ids.shape[1])  # [B, P]
+        return torch.where(starts, self.prompt_lengths[None, :], -1).argmax(-1)
 
     def device_target(self, input_ids, position_ids, attention, k_cache, v_cache):
         logits, _ = super().device_target(input_ids, position_ids, attention, k_cache[:-1], v_cache[:-1])
+        marker = k_cache[-1]
+        prefill = (position_ids[:, 0] == 0)[:, None, None, None]
+        marker.copy_(torch.where(prefill, self._prompt_index(input_ids)[:, None, None, None].to(marker.dtype), marker))
         h0 = torch.zeros(*input_ids.shape, self.spec.hidden_size, device=self.device)
-        h0[..., 0] = k_cache[-1][:, 0, 0, 0][:, None]
+        h0[..., 0] = marker[:, 0, 0, 0][:, None]
         h0[..., 1] = position_ids.float()
         return logits, h0
 

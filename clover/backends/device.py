@@ -24,7 +24,7 @@ from clover.adaptive import CostModel, monotone_fit
 from clover.attention import InPlaceAttention, unpack_mask
 from clover.backends.torch import TorchEngine
 from clover.config import ConfigError, TreeConfig
-from clover.device_step import PADDING_SCORE, DeviceSampling, GivenCandidates, StepShape, decode_step
+from clover.device_step import PADDING_SCORE, DeviceSampling, GivenCandidates, StepShape, decode_step, sample_rows
 from clover.engine_contract import DraftResult, TargetResult
 from clover.kv_cache import KVCache
 
@@ -214,6 +214,30 @@ class DeviceStepper:
                     if self._key(shape) not in self._graphs:
                         self._graphs[self._key(shape)] = self._capture(shape)
         logger.info("captured %d CUDA graphs in %.1f s", len(self._graphs), self.capture_seconds)
+
+    @torch.inference_mode()
+    def prefill(self, rows: slice, input_ids: torch.Tensor, lengths: torch.Tensor,
+                sampling: np.ndarray | None) -> list[int]:
+        """The causal pass over new prompts in cache ``rows`` (right-padded ``input_ids [n, W]``, ``lengths [n]``),
+        on the device: their K/V and root states stay there, and only each first token comes back.
+
+        sampling: float ``[3, n]`` temperature, top-k, top-p per row (None: greedy).
+        """
+        device, (batch, width) = self.root_hidden.device, input_ids.shape
+        keys, values = self.cache.buffers
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(batch, -1, -1)
+        attention = InPlaceAttention(torch.zeros(batch, dtype=torch.int64, device=device), causal, width)
+        positions = torch.arange(width, device=device).expand(batch, -1)
+        logits, h0 = self.engine.device_target(input_ids.to(device), positions, attention,
+                                               [keys[i, rows] for i in range(keys.shape[0])],
+                                               [values[i, rows] for i in range(values.shape[0])])
+        index = torch.arange(batch, device=device), (lengths - 1).to(device)
+        self.root_hidden[rows] = h0[index]
+        if sampling is None:
+            return logits[index].argmax(-1).tolist()
+        settings = torch.from_numpy(np.asarray(sampling, dtype=np.float32)).to(device)
+        return sample_rows(logits[index], DeviceSampling(settings[0], settings[1].to(torch.int64),
+                                                         settings[2])).tolist()
 
     @torch.inference_mode()
     def calibrate(self, depth: int, top_k: int, repeats: int = 5) -> CostModel:
