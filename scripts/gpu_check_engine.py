@@ -325,12 +325,14 @@ def demo_inputs(ctx):
 
 
 def timed_generation(engine, method: str, budget: int, prompts, batch: int, new_tokens: int):
-    """(results, seconds) of one run; a first short run captures the graphs it needs, untimed."""
+    """(results, seconds) of one run; the decoder captures its graphs when it is made, and a first short run
+    (untimed) warms up what remains."""
     from clover.config import TreeConfig
     from clover.decode import GenerationRequest, SpeculativeDecoder
 
+    decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=budget or 4, adaptive=False), max_batch_size=batch)
+
     def run(chosen, tokens):
-        decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=budget, adaptive=False), max_batch_size=batch)
         return decoder.generate([GenerationRequest(p, max_new_tokens=tokens, stop_token_ids=()) for p in chosen])
 
     run(prompts[:batch], 8)
