@@ -257,11 +257,47 @@ def greedy_deviations(source, prompt: list[int], tokens: list[int],
     """Where ``tokens`` (a greedy continuation of ``prompt`` by some decoder) are not the reference's argmax,
     each judged on its own prefix (teacher forcing, so the whole sequence is checked even after a divergence):
     ``(position, deficit, top-2 gap)`` with deficit = reference max logit - logit of the chosen token."""
-    logits = hf_next_logits(source, prompt, tokens, dtype)
+    return deviations_from_argmax(hf_next_logits(source, prompt, tokens, dtype), tokens)
+
+
+def deviations_from_argmax(logits: torch.Tensor, tokens: list[int]) -> list[tuple[int, float, float]]:
+    """:func:`greedy_deviations` for given reference logits ``[len(tokens), V]`` (teacher-forced)."""
+    logits = logits.float()
     chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     top2 = torch.topk(logits, 2, dim=-1).values
     deficit = top2[:, 0] - chosen
     return [(i, float(deficit[i]), float(top2[i, 0] - top2[i, 1])) for i in range(len(tokens)) if deficit[i] > 0]
+
+
+# -- the near-tie rule (docs/testing.md#the-near-tie-rule) ----------------------------------------------------
+
+NEAR_TIE = 1e-3  # fp32 logit gap under which a different summation order may flip an argmax (docs/trees.md)
+
+
+def assert_argmax_up_to_near_ties(logits: torch.Tensor, tokens: list[int], tie: float,
+                                  what: str = "") -> list[tuple[int, float, float]]:
+    """The near-tie rule, on reference logits ``[len(tokens), V]`` of ``tokens``' own prefixes (teacher forcing,
+    so every token is judged, also after a divergence): each token is the reference's argmax, or its logit is
+    within ``tie`` of the top one. ``tie`` comes from the decoder's own numeric error (``NEAR_TIE`` for fp32
+    reorderings, twice the fp16 logit error, the int8-activation error), never from a count of exact outputs.
+    Returns the deviations ``(position, deficit, top-2 gap)``: the near-ties the decoder resolved otherwise."""
+    deviations = deviations_from_argmax(logits, tokens)
+    for position, deficit, gap in deviations:
+        assert deficit < tie, (f"{what}: token {position} is not the reference's argmax and not a near-tie "
+                               f"(logit deficit {deficit:.4g} >= {tie:.4g}, top-2 gap {gap:.4g})")
+    return deviations
+
+
+def assert_decodes_the_reference_up_to_near_ties(source, prompts: list[list[int]], outputs: list[list[int]],
+                                                 tie: float = NEAR_TIE,
+                                                 what: str = "") -> list[tuple[int, int, float, float]]:
+    """The near-tie rule against transformers' fp32 logits of ``source`` (a checkpoint or a clover target, the
+    dequantised one for a quantized engine): ``(prompt index, position, deficit, gap)`` of each deviation."""
+    found = []
+    for index, (prompt, tokens) in enumerate(zip(prompts, outputs)):
+        logits = hf_next_logits(source, prompt, tokens)
+        found += [(index, *d) for d in assert_argmax_up_to_near_ties(logits, tokens, tie, f"{what} prompt {index}")]
+    return found
 
 
 # -- quantized targets: the reference over the weights as stored (docs/quantized-target.md) -----------------
