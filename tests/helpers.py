@@ -288,6 +288,34 @@ def assert_argmax_up_to_near_ties(logits: torch.Tensor, tokens: list[int], tie: 
     return deviations
 
 
+def full_pass_logits(engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """``engine``'s target logits ``[len(tokens), V]`` (float32) for each of ``tokens`` on its own prefix: one
+    causal pass over prompt + tokens with an empty cache (teacher forcing, as :func:`hf_next_logits`)."""
+    from clover.attention import causal_packed_mask
+
+    cfg, full = engine.spec, list(prompt) + list(tokens)
+    empty = [torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=cfg.dtype)] * cfg.num_kv_layers
+    logits = engine.target(torch.tensor([full]), torch.arange(len(full))[None], torch.zeros(1, dtype=torch.int32),
+                           causal_packed_mask(1, len(full)), empty, empty).logits
+    return logits[0, len(prompt) - 1: len(full) - 1].float()
+
+
+def assert_argmax_up_to_its_error(engine_logits: torch.Tensor, reference_logits: torch.Tensor, tokens: list[int],
+                                  error_cap: float, what: str = "") -> tuple[float, list[tuple[int, float, float]]]:
+    """The near-tie rule for a decoder that is not the reference's arithmetic (fp16, int8 activations), its bound
+    derived from that decoder's own error. Where its logits z' are within e of the reference's z, it prefers a
+    token t over the reference's argmax a only if z[a] - z[t] <= 2e. e is measured on the very path judged
+    (``engine_logits``: :func:`full_pass_logits` of the decoded tokens), plus NEAR_TIE for the summation order of
+    the decode's own passes. e itself must stay under ``error_cap`` times the logit scale: a decoder that is wrong
+    (a RoPE, cache or mask bug) rather than imprecise errs by whole logits and fails here, where the rule alone
+    would excuse anything. Returns (e, the deviations)."""
+    assert torch.isfinite(engine_logits).all(), what
+    error = float((engine_logits.float() - reference_logits.float()).abs().max())
+    scale = float(reference_logits.abs().max())
+    assert error < error_cap * scale, f"{what}: logit error {error:.4g} beyond {error_cap:.3g} of the scale {scale:.3g}"
+    return error, assert_argmax_up_to_near_ties(reference_logits, tokens, 2 * error + NEAR_TIE, what)
+
+
 def assert_decodes_the_reference_up_to_near_ties(source, prompts: list[list[int]], outputs: list[list[int]],
                                                  tie: float = NEAR_TIE,
                                                  what: str = "") -> list[tuple[int, int, float, float]]:

@@ -8,7 +8,7 @@ import onnx
 import pytest
 import torch
 
-from clover.attention import causal_packed_mask, pack_mask
+from clover.attention import pack_mask
 from clover.backends.onnxruntime import OnnxRuntimeEngine
 from clover.backends.torch import TorchEngine
 from clover.cli import main as clover_main
@@ -19,8 +19,8 @@ from clover.drafters import load_drafter, save_drafter
 from clover.export.builder import build_engine
 from clover.target import load_target
 from tests.conftest import make_drafter, write_tiny_checkpoint
-from tests.helpers import (assert_argmax_up_to_near_ties, assert_close_to_scale, hf_greedy,
-                           hf_next_logits, new_kv_of, random_prompts, vanilla_greedy)
+from tests.helpers import (assert_argmax_up_to_its_error, assert_close_to_scale, full_pass_logits,
+                           hf_greedy, hf_next_logits, new_kv_of, random_prompts, vanilla_greedy)
 
 METHODS = ["clover", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment"]
 quiet = dict(progress=lambda message: None)
@@ -287,9 +287,9 @@ def test_tensorrt_backend_says_clearly_when_missing(checkpoints, tmp_path):
 
 # fp16 greedy prefers a token t over the fp32 argmax a only where z16[t] >= z16[a], so z32[a] - z32[t] is at most
 # twice the fp16 engine's logit error |z16 - z32|: that measured error, not a constant tuned to one run, bounds the
-# near-ties the rule allows (tests/helpers.py, docs/testing.md#the-near-tie-rule). fp16 keeps 11 significant bits;
-# the error itself must stay fp16-sized, under FP16_ERROR_CAP of the logit scale (64 ulps; measured up to 1.3 %
-# on prompt seeds 0-9): an engine that is wrong rather than imprecise (RoPE, cache, mask) errs by whole logits.
+# near-ties the rule allows (tests/helpers.py::assert_argmax_up_to_its_error, docs/testing.md). fp16 keeps 11
+# significant bits; the error itself must stay fp16-sized, under FP16_ERROR_CAP of the logit scale (64 ulps;
+# measured up to 1.3 % on prompt seeds 0-9): an engine that is wrong (RoPE, cache, mask) errs by whole logits.
 FP16_ERROR_CAP = 2.0**-5
 
 
@@ -299,14 +299,6 @@ def fp16_engine(checkpoints, tmp_path_factory):
                                             None, dtype="fp16", **quiet))
     assert engine.spec.dtype == torch.float16
     return engine
-
-
-def _full_pass_logits(engine, prompt, tokens):
-    """The engine's logits for each of ``tokens`` on its own prefix: one pass with an empty cache."""
-    cfg, full = engine.spec, prompt + tokens
-    empty = [torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=cfg.dtype)] * cfg.num_kv_layers
-    return engine.target(torch.tensor([full]), torch.arange(len(full))[None], torch.zeros(1, dtype=torch.int32),
-                         causal_packed_mask(1, len(full)), empty, empty).logits[0, len(prompt) - 1: -1].float()
 
 
 @pytest.mark.parametrize("prompt_seed", range(10))
@@ -329,11 +321,9 @@ def test_fp16_engine_decodes_the_fp32_reference_up_to_fp16_near_ties(checkpoints
         for index, (prompt, result) in enumerate(zip(prompts, results)):
             tokens = result.token_ids
             assert len(tokens) == 24
-            fp16, fp32 = _full_pass_logits(engine, prompt, tokens), hf_next_logits(checkpoint, prompt, tokens)
-            assert torch.isfinite(fp16).all()
-            error = float((fp16 - fp32).abs().max())
-            assert error < FP16_ERROR_CAP * float(fp32.abs().max()), (name, prompt, error)
-            deviations = assert_argmax_up_to_near_ties(fp32, tokens, 2 * error, f"fp16 {name} prompt {index}")
+            _, deviations = assert_argmax_up_to_its_error(full_pass_logits(engine, prompt, tokens),
+                                                          hf_next_logits(checkpoint, prompt, tokens), tokens,
+                                                          FP16_ERROR_CAP, f"fp16 {name} prompt {index}")
             flips += [(name, index, position, round(deficit, 4)) for position, deficit, _ in deviations]
     print(f"fp16 near-tie flips against the fp32 reference (decoder, prompt, position, deficit): {flips}")
 
