@@ -31,6 +31,7 @@ from clover.serving.openai_frontend import (  # noqa: E402
     ChatCompletionRequest, CompletionRequest, FrontendProcess, FrontendSettings, OpenAIError, chat_request,
     completion_request, create_app, model_error, parse_body, render_chat)
 from clover.serving.server import ServerError, find_tritonserver, free_port  # noqa: E402
+from tests.helpers import hf_greedy  # noqa: E402
 from tests.serving_support import PROMPTS, long_answer_prompt, reference, tiny_engine_dir  # noqa: E402,F401  (fixtures)
 
 STARTUP_S = 240
@@ -448,16 +449,18 @@ def test_completions_plain_and_streamed(served, client, tokenizer):
     assert tokens.completion_tokens == len(ids)
 
 
-def test_a_conversation_equals_solo_greedy_decoding_of_its_template(served, client, reference):
+def test_a_conversation_equals_transformers_greedy_decoding_of_its_template(served, client, reference):
     from clover.decode import GenerationRequest, SpeculativeDecoder
 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     ids = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    greedy = hf_greedy(reference.checkpoint, [list(ids)], 20, stop_token_ids=(reference.tokenizer.eos_token_id,))[0]
     decoder = SpeculativeDecoder(reference.engine, "vanilla", tokenizer=reference.tokenizer)
     expected = decoder.generate([GenerationRequest(list(ids), max_new_tokens=20)])[0]
+    assert expected.token_ids == greedy  # so its text is the independent reference's text
     answer = client.chat.completions.create(model="clover", messages=messages, max_tokens=20,
                                             extra_body={"return_token_ids": True})
-    assert answer.choices[0].model_extra["token_ids"] == expected.token_ids
+    assert answer.choices[0].model_extra["token_ids"] == greedy  # transformers, not only clover's own vanilla
     assert answer.choices[0].message.content == expected.text
     assert answer.usage.prompt_tokens == len(ids)
 
