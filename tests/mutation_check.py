@@ -66,7 +66,7 @@ MUTANTS = (
             Patch("clover/export/onnx_graph.py", "_RotaryCache(g, cfg.head_dim, cfg.rope_theta, max_positions)",
                   "_RotaryCache(g, cfg.head_dim, 2 * cfg.rope_theta, max_positions)")),
            ("tests/test_kv_cache.py", "tests/test_int4_target.py", "tests/test_quantized_target.py",
-            "tests/test_export.py")),
+            "tests/test_export.py", "tests/test_cli.py")),
     Mutant("prefill_commits_padding", "the prefill commits every row's K/V up to the batch's widest prompt, "
                                       "padding included",
            (Patch("clover/decode.py", "torch.arange(width).expand(batch, -1), lengths, rows=rows)",
