@@ -316,18 +316,6 @@ def assert_argmax_up_to_its_error(engine_logits: torch.Tensor, reference_logits:
     return error, assert_argmax_up_to_near_ties(reference_logits, tokens, 2 * error + NEAR_TIE, what)
 
 
-def assert_decodes_the_reference_up_to_near_ties(source, prompts: list[list[int]], outputs: list[list[int]],
-                                                 tie: float = NEAR_TIE,
-                                                 what: str = "") -> list[tuple[int, int, float, float]]:
-    """The near-tie rule against transformers' fp32 logits of ``source`` (a checkpoint or a clover target, the
-    dequantised one for a quantized engine): ``(prompt index, position, deficit, gap)`` of each deviation."""
-    found = []
-    for index, (prompt, tokens) in enumerate(zip(prompts, outputs)):
-        logits = hf_next_logits(source, prompt, tokens)
-        found += [(index, *d) for d in assert_argmax_up_to_near_ties(logits, tokens, tie, f"{what} prompt {index}")]
-    return found
-
-
 # -- quantized targets: the reference over the weights as stored (docs/quantized-target.md) -----------------
 
 
