@@ -300,20 +300,24 @@ def full_pass_logits(engine, prompt: list[int], tokens: list[int]) -> torch.Tens
     return logits[0, len(prompt) - 1: len(full) - 1].float()
 
 
-def assert_argmax_up_to_its_error(engine_logits: torch.Tensor, reference_logits: torch.Tensor, tokens: list[int],
-                                  error_cap: float, what: str = "") -> tuple[float, list[tuple[int, float, float]]]:
+def assert_argmax_up_to_its_error(error: float, reference_logits: torch.Tensor, tokens: list[int], error_cap: float,
+                                  what: str = "") -> list[tuple[int, float, float]]:
     """The near-tie rule for a decoder that is not the reference's arithmetic (fp16, int8 activations), its bound
     derived from that decoder's own error. Where its logits z' are within e of the reference's z, it prefers a
-    token t over the reference's argmax a only if z[a] - z[t] <= 2e. e is measured on the very path judged
-    (``engine_logits``: :func:`full_pass_logits` of the decoded tokens), plus NEAR_TIE for the summation order of
-    the decode's own passes. e itself must stay under ``error_cap`` times the logit scale: a decoder that is wrong
-    (a RoPE, cache or mask bug) rather than imprecise errs by whole logits and fails here, where the rule alone
-    would excuse anything. Returns (e, the deviations)."""
-    assert torch.isfinite(engine_logits).all(), what
-    error = float((engine_logits.float() - reference_logits.float()).abs().max())
+    token t over the reference's argmax a only if z[a] - z[t] <= 2e. ``error`` is e as the caller measured it on
+    the engine's passes over the paths judged (:func:`full_pass_logits`, the decode's own logits), plus NEAR_TIE
+    for summation orders not measured. e must stay under ``error_cap`` times the logit scale: a decoder that is
+    wrong (a RoPE, cache or mask bug) rather than imprecise errs by whole logits and fails here, where the rule
+    alone would excuse anything. Returns the deviations."""
     scale = float(reference_logits.abs().max())
     assert error < error_cap * scale, f"{what}: logit error {error:.4g} beyond {error_cap:.3g} of the scale {scale:.3g}"
-    return error, assert_argmax_up_to_near_ties(reference_logits, tokens, 2 * error + NEAR_TIE, what)
+    return assert_argmax_up_to_near_ties(reference_logits, tokens, 2 * error + NEAR_TIE, what)
+
+
+def logit_error(engine_logits: torch.Tensor, reference_logits: torch.Tensor) -> float:
+    """max |z' - z| (finite logits required)."""
+    assert torch.isfinite(engine_logits).all()
+    return float((engine_logits.float() - reference_logits.float()).abs().max())
 
 
 # -- quantized targets: the reference over the weights as stored (docs/quantized-target.md) -----------------

@@ -20,7 +20,7 @@ from clover.export.builder import build_engine
 from clover.target import load_target
 from tests.conftest import make_drafter, write_tiny_checkpoint
 from tests.helpers import (assert_argmax_up_to_its_error, assert_close_to_scale, full_pass_logits,
-                           hf_greedy, hf_next_logits, new_kv_of, random_prompts, vanilla_greedy)
+                           hf_greedy, hf_next_logits, logit_error, new_kv_of, random_prompts, vanilla_greedy)
 
 METHODS = ["clover", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment"]
 quiet = dict(progress=lambda message: None)
@@ -321,9 +321,10 @@ def test_fp16_engine_decodes_the_fp32_reference_up_to_fp16_near_ties(checkpoints
         for index, (prompt, result) in enumerate(zip(prompts, results)):
             tokens = result.token_ids
             assert len(tokens) == 24
-            _, deviations = assert_argmax_up_to_its_error(full_pass_logits(engine, prompt, tokens),
-                                                          hf_next_logits(checkpoint, prompt, tokens), tokens,
-                                                          FP16_ERROR_CAP, f"fp16 {name} prompt {index}")
+            reference = hf_next_logits(checkpoint, prompt, tokens)
+            error = logit_error(full_pass_logits(engine, prompt, tokens), reference)
+            deviations = assert_argmax_up_to_its_error(error, reference, tokens, FP16_ERROR_CAP,
+                                                       f"fp16 {name} prompt {index}")
             flips += [(name, index, position, round(deficit, 4)) for position, deficit, _ in deviations]
     print(f"fp16 near-tie flips against the fp32 reference (decoder, prompt, position, deficit): {flips}")
 
