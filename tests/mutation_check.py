@@ -44,19 +44,22 @@ class Mutant:
     tests: tuple[str, ...]  # the test files that claim the property it breaks: each must fail
 
 
+QUANTIZED = ("tests/test_quantized_target.py", "tests/test_int4_target.py")  # lossless on 4- and 8-bit engines
+DECODE = ("tests/test_lossless.py", "tests/test_kv_cache.py", *QUANTIZED)  # the decode loop and its KV cache
+
 MUTANTS = (
     Mutant("accept_wrong_draft", "greedy verification accepts every depth-1 draft, right or wrong",
            (Patch("clover/verify.py", "| (parents < 0)", "| (parents <= 0)"),),
-           ("tests/test_verify.py", "tests/test_lossless.py")),
+           ("tests/test_verify.py", "tests/test_lossless.py", *QUANTIZED)),
     Mutant("commit_only_root", "a decode step commits only the root's K/V, not the accepted drafts'",
            (Patch("clover/decode.py", "cpu_tensor([len(a.path) for a in accepted]))",
                   "cpu_tensor([1 for a in accepted]))"),),
-           ("tests/test_lossless.py", "tests/test_kv_cache.py")),
+           DECODE),
     Mutant("drop_commit", "a decode step commits no K/V at all",
            (Patch("clover/decode.py", "        self.cache.commit(result.present_keys, result.present_values, source,\n"
                                       "                          cpu_tensor([len(a.path) for a in accepted]))\n",
                   "        pass  # mutant: the step's K/V are not committed\n"),),
-           ("tests/test_lossless.py", "tests/test_kv_cache.py")),
+           DECODE),
     Mutant("rope_base_doubled", "the RoPE base doubled in both the torch and the ONNX target: vanilla and "
                                 "speculative decoding share the bug, only an independent reference sees it",
            (Patch("clover/target.py", "self.config.head_dim, self.config.rope_theta,",
@@ -65,13 +68,12 @@ MUTANTS = (
                   "_rope(g, names[1], cfg.head_dim, 2 * cfg.rope_theta)"),
             Patch("clover/export/onnx_graph.py", "_RotaryCache(g, cfg.head_dim, cfg.rope_theta, max_positions)",
                   "_RotaryCache(g, cfg.head_dim, 2 * cfg.rope_theta, max_positions)")),
-           ("tests/test_kv_cache.py", "tests/test_int4_target.py", "tests/test_quantized_target.py",
-            "tests/test_export.py", "tests/test_cli.py")),
+           ("tests/test_kv_cache.py", *QUANTIZED, "tests/test_export.py", "tests/test_cli.py")),
     Mutant("prefill_commits_padding", "the prefill commits every row's K/V up to the batch's widest prompt, "
                                       "padding included",
            (Patch("clover/decode.py", "torch.arange(width).expand(batch, -1), lengths, rows=rows)",
                   "torch.arange(width).expand(batch, -1), torch.full_like(lengths, width), rows=rows)"),),
-           ("tests/test_lossless.py", "tests/test_kv_cache.py")),
+           DECODE),
     Mutant("stop_words_decoded_before_refusal", "the server decodes every stop word before it checks their "
                                                 "count (work done before a refusal)",
            (Patch("clover/serving/protocol.py", "    if len(words) > limits.max_stop_words:\n",
