@@ -311,11 +311,67 @@ def greedy_deviations(source, prompt: list[int], tokens: list[int],
     """Where ``tokens`` (a greedy continuation of ``prompt`` by some decoder) are not the reference's argmax,
     each judged on its own prefix (teacher forcing, so the whole sequence is checked even after a divergence):
     ``(position, deficit, top-2 gap)`` with deficit = reference max logit - logit of the chosen token."""
-    logits = hf_next_logits(source, prompt, tokens, dtype)
+    return deviations_from_argmax(hf_next_logits(source, prompt, tokens, dtype), tokens)
+
+
+def deviations_from_argmax(logits: torch.Tensor, tokens: list[int]) -> list[tuple[int, float, float]]:
+    """:func:`greedy_deviations` for given reference logits ``[len(tokens), V]`` (teacher-forced)."""
+    logits = logits.float()
     chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     top2 = torch.topk(logits, 2, dim=-1).values
     deficit = top2[:, 0] - chosen
     return [(i, float(deficit[i]), float(top2[i, 0] - top2[i, 1])) for i in range(len(tokens)) if deficit[i] > 0]
+
+
+# -- the near-tie rule (docs/testing.md#the-near-tie-rule) ----------------------------------------------------
+
+NEAR_TIE = 1e-3  # fp32 logit gap under which a different summation order may flip an argmax (docs/trees.md)
+
+
+def assert_argmax_up_to_near_ties(logits: torch.Tensor, tokens: list[int], tie: float,
+                                  what: str = "") -> list[tuple[int, float, float]]:
+    """The near-tie rule, on reference logits ``[len(tokens), V]`` of ``tokens``' own prefixes (teacher forcing,
+    so every token is judged, also after a divergence): each token is the reference's argmax, or its logit is
+    within ``tie`` of the top one. ``tie`` comes from the decoder's own numeric error (``NEAR_TIE`` for fp32
+    reorderings, twice the fp16 logit error, the int8-activation error), never from a count of exact outputs.
+    Returns the deviations ``(position, deficit, top-2 gap)``: the near-ties the decoder resolved otherwise."""
+    deviations = deviations_from_argmax(logits, tokens)
+    for position, deficit, gap in deviations:
+        assert deficit < tie, (f"{what}: token {position} is not the reference's argmax and not a near-tie "
+                               f"(logit deficit {deficit:.4g} >= {tie:.4g}, top-2 gap {gap:.4g})")
+    return deviations
+
+
+def full_pass_logits(engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """``engine``'s target logits ``[len(tokens), V]`` (float32) for each of ``tokens`` on its own prefix: one
+    causal pass over prompt + tokens with an empty cache (teacher forcing, as :func:`hf_next_logits`)."""
+    from clover.attention import causal_packed_mask
+
+    cfg, full = engine.spec, list(prompt) + list(tokens)
+    empty = [torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=cfg.dtype)] * cfg.num_kv_layers
+    logits = engine.target(torch.tensor([full]), torch.arange(len(full))[None], torch.zeros(1, dtype=torch.int32),
+                           causal_packed_mask(1, len(full)), empty, empty).logits
+    return logits[0, len(prompt) - 1: len(full) - 1].float()
+
+
+def assert_argmax_up_to_its_error(error: float, reference_logits: torch.Tensor, tokens: list[int], error_cap: float,
+                                  what: str = "") -> list[tuple[int, float, float]]:
+    """The near-tie rule for a decoder that is not the reference's arithmetic (fp16, int8 activations), its bound
+    derived from that decoder's own error. Where its logits z' are within e of the reference's z, it prefers a
+    token t over the reference's argmax a only if z[a] - z[t] <= 2e. ``error`` is e as the caller measured it on
+    the engine's passes over the paths judged (:func:`full_pass_logits`, the decode's own logits), plus NEAR_TIE
+    for summation orders not measured. e must stay under ``error_cap`` times the logit scale: a decoder that is
+    wrong (a RoPE, cache or mask bug) rather than imprecise errs by whole logits and fails here, where the rule
+    alone would excuse anything. Returns the deviations."""
+    scale = float(reference_logits.abs().max())
+    assert error < error_cap * scale, f"{what}: logit error {error:.4g} beyond {error_cap:.3g} of the scale {scale:.3g}"
+    return assert_argmax_up_to_near_ties(reference_logits, tokens, 2 * error + NEAR_TIE, what)
+
+
+def logit_error(engine_logits: torch.Tensor, reference_logits: torch.Tensor) -> float:
+    """max |z' - z| (finite logits required)."""
+    assert torch.isfinite(engine_logits).all()
+    return float((engine_logits.float() - reference_logits.float()).abs().max())
 
 
 # -- quantized targets: the reference over the weights as stored (docs/quantized-target.md) -----------------

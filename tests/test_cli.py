@@ -34,6 +34,14 @@ def _run_batch(tmp_path, ckpt, method, *extra):
     return [json.loads(line) for line in out.read_text().splitlines()], json.loads(summary.read_text())
 
 
+def _transformers_greedy(checkpoint) -> list[list[int]]:
+    """The independent reference: transformers greedy decoding of the chat-templated PROMPT_TEXTS, up to EOS."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                return_dict=False) for text in PROMPT_TEXTS]
+    return hf_greedy(checkpoint, prompt_ids, 20, stop_token_ids=(tokenizer.eos_token_id,))
+
+
 def test_batch_generation_is_lossless_and_well_formed(tmp_path, tiny_checkpoint):
     vanilla, v_summary = _run_batch(tmp_path, tiny_checkpoint, "vanilla")
     drafter_dir = tmp_path / "heads"
@@ -41,12 +49,7 @@ def test_batch_generation_is_lossless_and_well_formed(tmp_path, tiny_checkpoint)
     clover, c_summary = _run_batch(tmp_path, tiny_checkpoint, "clover", "--drafter", str(drafter_dir),
                                    "--tree-budget", "6")
     assert [r["id"] for r in clover] == ["p0", "p1", "p2"]
-    # the independent reference: transformers greedy decoding of the chat-templated prompts, up to EOS
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_checkpoint))
-    prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                return_dict=False) for text in PROMPT_TEXTS]
-    expected = hf_greedy(tiny_checkpoint, prompt_ids, 20, stop_token_ids=(tokenizer.eos_token_id,))
-    assert [v["token_ids"] for v in vanilla] == expected
+    assert [v["token_ids"] for v in vanilla] == _transformers_greedy(tiny_checkpoint)
     for v, c in zip(vanilla, clover):
         assert c["token_ids"] == v["token_ids"] and c["text"] == v["text"]
         assert c["new_tokens"] == len(c["token_ids"]) and 0 < c["new_tokens"] <= 20
@@ -63,14 +66,14 @@ def test_batch_generation_is_lossless_and_well_formed(tmp_path, tiny_checkpoint)
     assert c_summary["acceptance_rate"] == c_summary["accepted_draft_tokens"] / c_summary["draft_tokens"]
 
 
-def test_clover2_generation_equals_vanilla(tmp_path, tiny_checkpoint):
+def test_clover2_generation_equals_transformers_greedy(tmp_path, tiny_checkpoint):
     """``--method clover2`` with saved Clover-2 heads and with untrained ones (what the demo target gets today)."""
-    vanilla, _ = _run_batch(tmp_path, tiny_checkpoint, "vanilla")
+    expected = _transformers_greedy(tiny_checkpoint)
     drafter_dir = tmp_path / "heads2"
     save_drafter(make_drafter(load_target(tiny_checkpoint), method="clover2", num_heads=3), drafter_dir)
     for drafter in (str(drafter_dir), "untrained"):
         rows, summary = _run_batch(tmp_path, tiny_checkpoint, "clover2", "--drafter", drafter, "--tree-budget", "6")
-        assert [r["token_ids"] for r in rows] == [v["token_ids"] for v in vanilla]
+        assert [r["token_ids"] for r in rows] == expected
         assert summary["num_steps"] <= summary["new_tokens"] - 3
 
 

@@ -14,15 +14,13 @@ from clover.backends.torch import TorchEngine
 from clover.config import TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.drafters import Drafter
-from tests.helpers import greedy_deviations, hf_greedy, hf_model, hf_next_logits
+from tests.helpers import NEAR_TIE, greedy_deviations, hf_greedy, hf_model, hf_next_logits
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
            "Give me three tips for sleeping better."]
 NEW_TOKENS = 48
-# logit gap under which fp32 reordering may legitimately flip the argmax (docs/trees.md#floating-point-and-near-ties)
-NEAR_TIE = 1e-3
 # The reference is transformers generate() on the same checkpoint (tests/helpers.py::hf_greedy).
 
 

@@ -8,7 +8,7 @@ import onnx
 import pytest
 import torch
 
-from clover.attention import causal_packed_mask, pack_mask
+from clover.attention import pack_mask
 from clover.backends.onnxruntime import OnnxRuntimeEngine
 from clover.backends.torch import TorchEngine
 from clover.cli import main as clover_main
@@ -19,8 +19,8 @@ from clover.drafters import load_drafter, save_drafter
 from clover.export.builder import build_engine
 from clover.target import load_target
 from tests.conftest import make_drafter, write_tiny_checkpoint
-from tests.helpers import (assert_close_to_scale, greedy_deviations, hf_greedy, hf_next_logits, new_kv_of,
-                           random_prompts, vanilla_greedy)
+from tests.helpers import (assert_argmax_up_to_its_error, assert_close_to_scale, full_pass_logits,
+                           hf_greedy, hf_next_logits, logit_error, new_kv_of, random_prompts, vanilla_greedy)
 
 METHODS = ["clover", "medusa", "clover-mlp-regressive", "clover-no-regressive", "clover-no-augment"]
 quiet = dict(progress=lambda message: None)
@@ -285,45 +285,48 @@ def test_tensorrt_backend_says_clearly_when_missing(checkpoints, tmp_path):
         pytest.skip("tensorrt is installed: the GPU check script covers it")
 
 
-# fp16 keeps about 3 significant digits: on these tiny models' logits (|z| < 8) the fp16 engine's logits stay
-# within FP16_LOGIT_ERROR of the fp32 reference (measured 0.02-0.036, asserted below), so fp16 greedy may pick a
-# token other than the fp32 argmax only where the fp32 logits of the two differ by less than 2 * FP16_LOGIT_ERROR.
-FP16_LOGIT_ERROR = 0.06
+# fp16 greedy prefers a token t over the fp32 argmax a only where z16[t] >= z16[a], so z32[a] - z32[t] is at most
+# twice the fp16 engine's logit error |z16 - z32|: that measured error, not a constant tuned to one run, bounds the
+# near-ties the rule allows (tests/helpers.py::assert_argmax_up_to_its_error, docs/testing.md). fp16 keeps 11
+# significant bits; the error itself must stay fp16-sized, under FP16_ERROR_CAP of the logit scale (64 ulps;
+# measured up to 1.3 % on prompt seeds 0-9): an engine that is wrong (RoPE, cache, mask) errs by whole logits.
+FP16_ERROR_CAP = 2.0**-5
 
 
-def test_fp16_engine_decodes_the_fp32_reference_up_to_fp16_near_ties(checkpoints, tmp_path):
-    """Vanilla and Clover decoding on an fp16 engine against transformers fp32 greedy decoding.
+@pytest.fixture(scope="module")
+def fp16_engine(checkpoints, tmp_path_factory):
+    engine = OnnxRuntimeEngine(build_engine(tmp_path_factory.mktemp("fp16") / "fp16", str(checkpoints["llama"]),
+                                            None, dtype="fp16", **quiet))
+    assert engine.spec.dtype == torch.float16
+    return engine
+
+
+@pytest.mark.parametrize("prompt_seed", range(10))
+def test_fp16_engine_decodes_the_fp32_reference_up_to_fp16_near_ties(checkpoints, fp16_engine, prompt_seed):
+    """Vanilla and Clover decoding on an fp16 engine against transformers fp32 logits, by the near-tie rule.
 
     Every emitted token is judged on its own prefix (teacher forcing, so decoding is checked past a divergence):
-    it must be the fp32 reference's argmax, or within 2 * FP16_LOGIT_ERROR of the reference's top logit.
+    it must be the fp32 reference's argmax, or within twice the engine's fp16 logit error (measured on that path)
+    of the reference's top logit; and that error stays fp16-sized (FP16_ERROR_CAP). No count of exact outputs:
+    a prompt seed whose outputs deviate only at real near-ties passes (issue 48: seed 0 has 4 of 8 inexact).
     """
-    checkpoint = checkpoints["llama"]
-    engine_dir = build_engine(tmp_path / "fp16", str(checkpoint), None, dtype="fp16", **quiet)
-    engine = OnnxRuntimeEngine(engine_dir)
-    assert engine.spec.dtype == torch.float16
-    prompts = random_prompts(6, 4, engine.spec.vocab_size, 2, 10)  # seed 6: one fp16 near-tie flip (gap 0.014)
+    checkpoint, engine = checkpoints["llama"], fp16_engine
+    prompts = random_prompts(prompt_seed, 4, engine.spec.vocab_size, 2, 10)
     requests = [GenerationRequest(p, 24, stop_token_ids=()) for p in prompts]
     vanilla = SpeculativeDecoder(engine, "vanilla").generate(requests)
     clover = SpeculativeDecoder(engine, "clover").generate(requests)
     assert sum(sum(r.stats.depth_tried) for r in clover) > 0
-    reference = hf_greedy(checkpoint, prompts, 24)
-    cfg, flips = engine.spec, []
-    for prompt, ref, v, c in zip(prompts, reference, vanilla, clover):
-        # the fp16 engine's logits along the reference path: finite, and within the stated error
-        full = prompt + ref
-        empty = [torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=cfg.dtype)] * cfg.num_kv_layers
-        logits = engine.target(torch.tensor([full]), torch.arange(len(full))[None], torch.zeros(1, dtype=torch.int32),
-                               causal_packed_mask(1, len(full)), empty, empty).logits[0, len(prompt) - 1: -1]
-        assert torch.isfinite(logits).all()
-        error = float((logits.float() - hf_next_logits(checkpoint, prompt, ref)).abs().max())
-        assert error < FP16_LOGIT_ERROR, error
-        for name, result in (("vanilla", v), ("clover", c)):
-            assert len(result.token_ids) == 24
-            for position, deficit, gap in greedy_deviations(checkpoint, prompt, result.token_ids):
-                assert deficit < 2 * FP16_LOGIT_ERROR, (name, prompt, position, deficit)
-                flips.append((name, position, round(deficit, 4)))
-    print(f"fp16 near-tie flips against the fp32 reference: {flips}")
-    assert sum(r.token_ids == ref for r, ref in zip(vanilla + clover, reference * 2)) >= 6  # mostly exact
+    flips = []
+    for name, results in (("vanilla", vanilla), ("clover", clover)):
+        for index, (prompt, result) in enumerate(zip(prompts, results)):
+            tokens = result.token_ids
+            assert len(tokens) == 24
+            reference = hf_next_logits(checkpoint, prompt, tokens)
+            error = logit_error(full_pass_logits(engine, prompt, tokens), reference)
+            deviations = assert_argmax_up_to_its_error(error, reference, tokens, FP16_ERROR_CAP,
+                                                       f"fp16 {name} prompt {index}")
+            flips += [(name, index, position, round(deficit, 4)) for position, deficit, _ in deviations]
+    print(f"fp16 near-tie flips against the fp32 reference (decoder, prompt, position, deficit): {flips}")
 
 
 @pytest.mark.parametrize("method", ["clover", "medusa"])

@@ -1,12 +1,13 @@
 """Quantized targets (docs/quantized-target.md): the Q4_1 / Q8_0 / int8 -> MatMulNBits mapping, and lossless
 decoding on 4-bit and 8-bit engines.
 
-Lossless here has two halves. Speculative decoding equals vanilla greedy on the same engine, token for token.
-And the engine decodes what its stored weights mean: the reference is transformers ``generate()`` over those
-weights dequantised by the ``gguf`` package (tests/helpers.py::dequantised_target), independent of the
-MatMulNBits packing and of the ONNX graph. With fp32 compute the engine equals it token for token; with int8
-compute (activations quantized per block of 32) each token is the reference's argmax or within the engine's
-measured logit error of it.
+Lossless here means the engine decodes what its stored weights mean, vanilla and speculative alike: the
+reference is transformers ``generate()`` over those weights dequantised by the ``gguf`` package
+(tests/helpers.py::dequantised_target), independent of the MatMulNBits packing and of the ONNX graph. With fp32
+compute the engine equals it token for token; with int8 compute (activations quantized per block of 32) each
+token is the argmax of the reference quantizing its activations as the kernel does, or within twice the engine's
+measured logit error of it (the near-tie rule, tests/helpers.py). No engine is held only to its own vanilla
+decoding: a target bug both share would pass (issue 48).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from clover.export.target_weights import (LAYER_LINEARS, StoredWeight, check_qua
                                           quantize_int8_channel, quantize_target, read_gguf_target)
 from clover.target import load_target
 from tests.conftest import make_drafter, write_tiny_checkpoint
-from tests.helpers import OracleEngine, dequantised_target, hf_greedy, random_prompts, vanilla_greedy
+from tests.helpers import (OracleEngine, assert_argmax_up_to_its_error, dequantised_target, full_pass_logits,
+                           hf_greedy, logit_error, random_prompts, vanilla_greedy)
 
 quiet = dict(progress=lambda message: None)
 MAX_NEW = 24
@@ -266,74 +268,128 @@ def _int8_compute_reference(reference_target, weights: dict):
 
 
 @torch.inference_mode()
-def _reference_greedy_and_logits(model, prompt, tokens_or_none, max_new):
-    ids = torch.tensor([list(prompt)])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                         num_beams=1, pad_token_id=0, eos_token_id=None)[0, ids.shape[1]:].tolist()
-    tokens = tokens_or_none if tokens_or_none is not None else out
+def _reference_logits(model, prompt, tokens) -> torch.Tensor:
+    """``model``'s logits ``[len(tokens), V]`` for each of ``tokens`` on its own prefix (teacher forcing)."""
     full = torch.tensor([list(prompt) + list(tokens)])
-    logits = model(full, attention_mask=torch.ones_like(full)).logits[0, len(prompt) - 1: -1].float()
-    return out, logits
+    return model(full, attention_mask=torch.ones_like(full)).logits[0, len(prompt) - 1: -1].float()
 
 
-NEAR_TIE = 1e-3  # logit gap under which float rounding may flip an argmax (docs/trees.md#floating-point-and-near-ties)
+# int8 activations: one step is 1/127 of a block's peak. An activation on a rounding boundary that two passes (a
+# full pass, a T = 1 step, a tree) round apart moves the logits by ~0.1 (measured up to 1.2 % of the logit
+# scale, on the kernel against the reference below); a wrong engine errs by whole logits.
+INT8_COMPUTE_ERROR_CAP = 2.0**-5
 
 
-def _assert_decodes_the_reference(reference, weights, compute, prompts, outputs) -> None:
-    """fp32 compute: transformers over the dequantised weights, token for token. int8 compute: the same with the
-    activations quantized as the kernel does; each token is its argmax, or within NEAR_TIE of it (teacher
-    forcing), and most outputs are identical."""
+class _Recording:
+    """The engine, keeping the last position's logits of every target pass: for a batch-1 vanilla decode, the
+    logits each emitted token was chosen from, as the decode really computed them."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.logits = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def target(self, *args, **kwargs):
+        result = self.engine.target(*args, **kwargs)
+        self.logits.append(result.logits[0, -1].float())
+        return result
+
+
+def _vanilla_and_its_logits(engine, prompt, max_new) -> tuple[list[int], torch.Tensor]:
+    recording = _Recording(engine)
+    tokens = vanilla_greedy(recording, [prompt], max_new)[0]
+    return tokens, torch.stack(recording.logits[: len(tokens)])
+
+
+def _assert_decodes_the_reference(engine, reference, weights, compute, prompts, decoded: dict, lengths=None) -> None:
+    """Vanilla decoding on ``engine`` and each of ``decoded`` ({name: outputs}) against the reference:
+    transformers over the dequantised weights. fp32 compute: token for token. int8 compute: the near-tie rule
+    (tests/helpers.py::assert_argmax_up_to_its_error) against that reference with its activations quantized as
+    the kernel does, the bound from the engine's error measured on its passes over every judged path (full
+    passes, and vanilla's own T = 1 steps): a rounding flip anywhere shows its size. No count of exact outputs,
+    and no decoder is held to vanilla token for token (issue 48): speculative decoding is judged as vanilla is."""
+    lengths = lengths or [MAX_NEW] * len(prompts)
     if compute == "fp32":
-        assert outputs == hf_greedy(reference, prompts, MAX_NEW)
+        expected = [hf_greedy(reference, [p], n)[0] for p, n in zip(prompts, lengths)]
+        vanilla = [vanilla_greedy(engine, [p], n)[0] for p, n in zip(prompts, lengths)]
+        for name, outputs in {"vanilla": vanilla, **decoded}.items():
+            assert outputs == expected, name
         return
     model = _int8_compute_reference(reference, weights)
-    identical = 0
-    for prompt, tokens in zip(prompts, outputs):
-        expected, logits = _reference_greedy_and_logits(model, prompt, tokens, MAX_NEW)
-        chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-        assert float((logits.max(-1).values - chosen).max()) < NEAR_TIE
-        identical += expected == tokens
-    assert identical >= (len(prompts) + 1) // 2
+    vanilla, error = [], 0.0
+    for prompt, n in zip(prompts, lengths):
+        tokens, used = _vanilla_and_its_logits(engine, prompt, n)
+        vanilla.append(tokens)
+        error = max(error, logit_error(used, _reference_logits(model, prompt, tokens)))
+    judged = []
+    for name, outputs in {"vanilla": vanilla, **decoded}.items():
+        assert [len(tokens) for tokens in outputs] == lengths, name
+        for index, (prompt, tokens) in enumerate(zip(prompts, outputs)):
+            expected = _reference_logits(model, prompt, tokens)
+            error = max(error, logit_error(full_pass_logits(engine, prompt, tokens), expected))
+            judged.append((f"{name} int8 compute, prompt {index}", tokens, expected))
+    for what, tokens, expected in judged:
+        assert_argmax_up_to_its_error(error, expected, tokens, INT8_COMPUTE_ERROR_CAP, what)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("key", ENGINES)
-def test_random_heads_equal_own_vanilla_and_the_reference(built, key, batch):
+def test_random_heads_decode_the_reference_as_vanilla_does(built, key, batch):
+    """Speculative and vanilla decoding each against the dequantised reference: with fp32 compute both equal it
+    (so each other), with int8 compute both keep to the near-tie rule (speculative no worse than vanilla)."""
     engines, refs = built
     weights, compute, method = key
     engine = OnnxRuntimeEngine(engines[key])
     prompts = random_prompts(10 + batch, batch, engine.spec.vocab_size, 2, 20)
-    vanilla = vanilla_greedy(engine, prompts, MAX_NEW)
     speculative = _decode(engine, method, prompts, TreeConfig(budget=6, adaptive=False, proposer="none"))
-    assert speculative == vanilla
-    _assert_decodes_the_reference(*refs[weights], compute, prompts, vanilla)
+    _assert_decodes_the_reference(engine, *refs[weights], compute, prompts, {method: speculative})
 
 
 @pytest.mark.parametrize("compute", ["fp32", "int8"])
-def test_requests_joining_mid_run_equal_own_vanilla(built, compute):
+def test_requests_joining_mid_run_decode_the_reference(built, compute):
     """A max batch of 2 for 5 requests of different lengths: requests join while others run, and leave."""
-    engines, _ = built
+    engines, refs = built
     engine = OnnxRuntimeEngine(engines["q4", compute, "clover"])
     prompts = random_prompts(21, 5, engine.spec.vocab_size, 1, 25)
     lengths = [4, 24, 9, 1, 16]
-    vanilla = [vanilla_greedy(engine, [p], n)[0] for p, n in zip(prompts, lengths)]
     tree = TreeConfig(budget=4, adaptive=False, proposer="none")
-    assert _decode(engine, "clover", prompts, tree, lengths, max_batch=2) == vanilla
+    outputs = _decode(engine, "clover", prompts, tree, lengths, max_batch=2)
+    _assert_decodes_the_reference(engine, *refs["q4"], compute, prompts, {"joining mid-run": outputs}, lengths)
+
+
+def _steps_before(accepted_per_step: list[int], first_wrong: int) -> list[int]:
+    """The accepted counts of the decode steps whose tokens all lie before output position ``first_wrong``
+    (the prefill emits position 0, a step accepted + 1 tokens), the last step excepted (cut by max_new_tokens)."""
+    emitted, done = 1, []
+    for accepted in accepted_per_step[:-1]:
+        emitted += accepted + 1
+        if emitted > first_wrong:
+            break
+        done.append(accepted)
+    return done
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("compute", ["fp32", "int8"])
 def test_oracle_heads_accept_everything_on_a_quantized_engine(built, compute, batch):
-    engines, _ = built
+    """Heads that propose vanilla's continuation are accepted in full wherever the engine's own target agrees
+    with vanilla; the output decodes the reference (fp32: token for token; int8: by the near-tie rule, where
+    batching may resolve a near-tie unlike vanilla, after which the oracle's drafts are rightly refused)."""
+    engines, refs = built
     inner = OnnxRuntimeEngine(engines["q4", compute, "none"])
     prompts = random_prompts(30 + batch, batch, inner.spec.vocab_size, 3, 12)
     expected = vanilla_greedy(inner, prompts, MAX_NEW)
     oracle = OracleEngine(inner, prompts, expected, num_heads=3)
     decoder = SpeculativeDecoder(oracle, "clover", TreeConfig(budget=5, adaptive=False, proposer="none"))
     results = decoder.generate([GenerationRequest(p, max_new_tokens=MAX_NEW, stop_token_ids=()) for p in prompts])
-    assert [r.token_ids for r in results] == expected
-    for r in results:
-        assert r.stats.accepted_per_step[:-1] == [3] * (len(r.stats.accepted_per_step) - 1)
+    outputs = [r.token_ids for r in results]
+    _assert_decodes_the_reference(inner, *refs["q4"], compute, prompts, {"oracle heads": outputs})
+    for r, want in zip(results, expected):
+        first_wrong = next((i for i, (a, b) in enumerate(zip(r.token_ids, want)) if a != b), len(want))
+        assert compute == "int8" or first_wrong == len(want)  # fp32 compute: vanilla equals the reference too
+        steps = _steps_before(r.stats.accepted_per_step, first_wrong)
+        assert steps == [3] * len(steps)  # with no divergence: every step but the last
 
 
 def test_engine_json_records_the_target_quantization(built):

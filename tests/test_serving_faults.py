@@ -61,13 +61,30 @@ LIMITS = RequestLimits(256, 512, apply_chat_template=False)
 # -- fair scheduling: stop words ----------------------------------------------------------------------------
 
 
+class _CountedWord(bytes):
+    """A stop word that counts how often it is read as text (``bytes(word)`` or ``word.decode``): a spy that
+    sees work on the stop words whatever the clock says (100k decodes take only ~30 ms)."""
+
+    reads = 0
+
+    def __bytes__(self):
+        _CountedWord.reads += 1
+        return b"" + self  # plain bytes, without a second count
+
+    def decode(self, *args, **kwargs):
+        _CountedWord.reads += 1
+        return super().decode(*args, **kwargs)
+
+
 def test_too_many_or_too_long_stop_words_are_refused_before_decoding():
     tok = _ByteTok()
     base = {"text_input": [b"hi"], "max_tokens": np.array([4], np.int32)}
-    start = time.perf_counter()
+    _CountedWord.reads = 0
     with pytest.raises(RequestError, match=r"stop_words has 100000 strings; this server takes at most 64"):
-        parse_request(_get(**base, stop_words=[b"stop%d" % i for i in range(100_000)]), tok, LIMITS)
-    assert time.perf_counter() - start < 1.0  # refused without touching 100k strings one by one
+        parse_request(_get(**base, stop_words=[_CountedWord(b"stop%d" % i) for i in range(100_000)]), tok, LIMITS)
+    assert _CountedWord.reads == 0  # refused on the count, before any of the 100k strings is decoded
+    parse_request(_get(**base, stop_words=[_CountedWord(b"stop")] * 3), tok, LIMITS)
+    assert _CountedWord.reads == 3  # the spy does see each decode of an accepted word
     with pytest.raises(RequestError, match="at most 64 .model parameter max_stop_words"):
         parse_request(_get(**base, stop_words=[b"w"] * 65), tok, LIMITS)
     with pytest.raises(RequestError, match="total 4097 characters; this server takes at most 4096"):
@@ -117,29 +134,44 @@ def test_stop_search_covers_only_the_new_text_window_and_finds_the_same_cut(monk
     assert max(windows) <= 5 + 8 + 4
 
 
+class _PassClock:
+    """A fake ``time`` for the batcher: its ``monotonic`` moves only when a target pass runs (``_SlowEngine``
+    with ``clock``), so a drain deadline falls after a fixed number of passes whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
 class _SlowEngine:
     """The engine with a fixed pause per target pass, so a long request surely outlasts a drain deadline
-    (the tiny engine alone can finish 250 tokens inside it on a fast machine)."""
+    (the tiny engine alone can finish 250 tokens inside it on a fast machine). With ``clock`` the pause is on
+    that fake clock, not slept."""
 
-    def __init__(self, inner, pause_s: float) -> None:
-        self.inner, self.spec, self.pause_s = inner, inner.spec, pause_s
+    def __init__(self, inner, pause_s: float, clock: _PassClock | None = None) -> None:
+        self.inner, self.spec, self.pause_s, self.clock = inner, inner.spec, pause_s, clock
         self.cost_model = inner.cost_model
 
     def target(self, *args):
-        time.sleep(self.pause_s)
+        if self.clock is None:
+            time.sleep(self.pause_s)
+        else:
+            self.clock.now += self.pause_s
         return self.inner.target(*args)
 
     def draft_step(self, *args):
         return self.inner.draft_step(*args)
 
 
-def _decoder(tiny_engine_dir, pause_s: float = 0.0):
+def _decoder(tiny_engine_dir, pause_s: float = 0.0, clock: _PassClock | None = None):
     from clover.backends.onnxruntime import OnnxRuntimeEngine
     from clover.target import load_tokenizer
 
     engine = OnnxRuntimeEngine(tiny_engine_dir, threads=1)
     if pause_s:
-        engine = _SlowEngine(engine, pause_s)
+        engine = _SlowEngine(engine, pause_s, clock)
     tokenizer = load_tokenizer(tiny_engine_dir)
     return lambda: SpeculativeDecoder(engine, "clover", tokenizer=tokenizer, max_batch_size=8)
 
@@ -157,23 +189,38 @@ def test_decoder_stop_strings_use_the_window_and_cut_like_the_whole_text(tiny_en
 # -- graceful drain in the batcher ------------------------------------------------------------------------------
 
 
-def test_drain_refuses_new_requests_and_cancels_long_ones_at_the_deadline(tiny_engine_dir, reference):
-    make = _decoder(tiny_engine_dir, pause_s=0.02)  # 250 tokens then take >= 2.5 s: past the 0.5 s deadline
+def test_drain_refuses_new_requests_and_cancels_long_ones_at_the_deadline(tiny_engine_dir, reference, monkeypatch):
+    import clover.serving.batcher as batcher_module
+
+    clock = _PassClock()  # the batcher's clock moves 20 ms per target pass: the deadline is counted in passes
+    monkeypatch.setattr(batcher_module, "time", clock)
+    make = _decoder(tiny_engine_dir, pause_s=0.02, clock=clock)  # 250 tokens take > 0.5 s of passes
     end_id = reference.unused_token("a", 250)
     updates: dict[str, list] = {"long": [], "short": []}
+    ended: dict[str, float] = {}
+
+    def collect(name):
+        def on_update(update):
+            updates[name].append(update)
+            if update.finished:
+                ended[name] = clock.now
+        return on_update
+
     batcher = InflightBatcher(make)
     try:
         long_ids, short_ids = reference.prompt_ids("a"), reference.prompt_ids(PROMPTS[0])
-        long = batcher.submit(GenerationRequest(long_ids, 250, stop_token_ids=(end_id,)), updates["long"].append)
+        long = batcher.submit(GenerationRequest(long_ids, 250, stop_token_ids=(end_id,)), collect("long"))
         while not updates["long"]:
             time.sleep(0.01)
-        short = batcher.submit(GenerationRequest(short_ids, 3), updates["short"].append)
-        begin = time.monotonic()
+        short = batcher.submit(GenerationRequest(short_ids, 3), collect("short"))
+        begin = clock.now
         batcher.begin_drain(0.5)
         with pytest.raises(ShuttingDown, match="shutting down; it takes no new requests"):
             batcher.submit(GenerationRequest(short_ids, 3), lambda u: None)
         assert short.wait(30) and long.wait(30)
-        assert time.monotonic() - begin < 5.0
+        # cancelled at the deadline, not before it and not long after: within the step that crossed it (a step
+        # is at most a prefill pass and a decode pass)
+        assert 0.5 - 1e-9 <= ended["long"] - begin <= 0.5 + 2 * 0.02 + 1e-9, ended["long"] - begin
         assert updates["short"][-1].finish_reason == "length" and updates["short"][-1].error is None
         last = updates["long"][-1]
         assert last.finished and last.finish_reason == "cancelled" and last.error is None

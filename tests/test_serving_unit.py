@@ -216,11 +216,27 @@ def _request(tokenizer, prompt, max_tokens, **kwargs):
     return GenerationRequest(encode_prompt(tokenizer, prompt), max_new_tokens=max_tokens, **kwargs)
 
 
+class _GatedEngine:
+    """An engine whose target passes wait until the test opens the gate: requests submitted meanwhile are all
+    pending before the first pass ends, whatever the machine's load (an event, not a race with the batcher)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.gate = engine, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def target(self, *args, **kwargs):
+        assert self.gate.wait(60), "the test never opened the gate"
+        return self.engine.target(*args, **kwargs)
+
+
 def test_concurrent_requests_from_threads_equal_solo_greedy(ort_engine, reference):
-    tokenizer = ort_engine[1]
+    engine, tokenizer = ort_engine
+    gated = _GatedEngine(engine)
     lengths = [5 + 3 * i for i in range(len(PROMPTS))]
     collectors = [_Collector() for _ in PROMPTS]
-    with _batcher(ort_engine) as batcher:
+    with _batcher((gated, tokenizer)) as batcher:
         def submit(i):
             batcher.submit(_request(tokenizer, PROMPTS[i], lengths[i]), collectors[i])
 
@@ -229,6 +245,7 @@ def test_concurrent_requests_from_threads_equal_solo_greedy(ort_engine, referenc
             t.start()
         for t in first:
             t.join()
+        gated.gate.set()  # all 8 are pending now: at most one of them prefilled alone, the rest share steps
         collectors[0].done.wait(30)  # the rest join a running batch
         for i in range(8, len(PROMPTS)):
             submit(i)
@@ -242,7 +259,7 @@ def test_concurrent_requests_from_threads_equal_solo_greedy(ort_engine, referenc
         assert c.final.finish_reason == expected.finish_reason
         assert c.final.stats.output_tokens == len(expected.token_ids)
         assert 0 <= c.final.stats.accepted_draft_tokens <= c.final.stats.draft_tokens
-    assert metrics.mean_batch_size > 1.5  # requests really shared decode steps
+    assert metrics.mean_batch_size > 1.5  # requests really shared decode steps (the gate makes them)
     assert metrics.output_tokens == sum(len(c.token_ids) for c in collectors)
     assert metrics.requests_finished.get("length", 0) + metrics.requests_finished.get("stop", 0) == len(PROMPTS)
     assert metrics.active_batch_size == 0 and metrics.pending_requests == 0
