@@ -481,18 +481,17 @@ class SpeculativeDecoder:
         rows = slice(new_rows.start, new_rows.stop)
         if self.device_stepper is not None:  # on the device: only the first tokens come back
             first = self.device_stepper.prefill(rows, input_ids, lengths, self._sampling_rows(seqs))
-            self.cache.commit(None, None, torch.arange(width).expand(batch, -1), lengths, rows=rows)
-            result, roots = None, [None] * batch
+            result, roots, presents = None, [None] * batch, (None, None)  # the K/V are in the cache already
         else:
             k_cache, v_cache = self.cache.views(rows)
             result = self.engine.target(input_ids, position_ids, torch.zeros(batch, dtype=torch.int32),
                                         causal_packed_mask(batch, width), k_cache, v_cache)
-            self.cache.commit(result.present_keys, result.present_values,
-                              torch.arange(width).expand(batch, -1), lengths, rows=rows)
+            presents = (result.present_keys, result.present_values)
             last = lengths - 1
             first = [sample_token(result.logits[i, last[i]], s.request.sampling, s.generator)
                      for i, s in enumerate(seqs)]
             roots = [result.h0[i, last[i]].clone() for i in range(batch)]
+        self.cache.commit(*presents, torch.arange(width).expand(batch, -1), lengths, rows=rows)
         self._running.extend(seqs)
         events = []
         for seq, token, root in zip(seqs, first, roots):

@@ -45,20 +45,26 @@ class Mutant:
 
 
 QUANTIZED = ("tests/test_quantized_target.py", "tests/test_int4_target.py")  # lossless on 4- and 8-bit engines
-DECODE = ("tests/test_lossless.py", "tests/test_kv_cache.py", *QUANTIZED)  # the decode loop and its KV cache
+DEVICE = ("tests/test_device_step.py",)  # the decode step on the device (docs/gpu-engine.md)
+DECODE = ("tests/test_lossless.py", "tests/test_kv_cache.py", *QUANTIZED, *DEVICE)  # the decode loop, its KV cache
 
 MUTANTS = (
     Mutant("accept_wrong_draft", "greedy verification accepts every depth-1 draft, right or wrong",
-           (Patch("clover/verify.py", "| (parents < 0)", "| (parents <= 0)"),),
-           ("tests/test_verify.py", "tests/test_lossless.py", *QUANTIZED)),
+           (Patch("clover/verify.py", "| (parents < 0)", "| (parents <= 0)"),
+            Patch("clover/device_step.py", "| (tree.parents < 0)", "| (tree.parents <= 0)")),
+           ("tests/test_verify.py", "tests/test_lossless.py", *QUANTIZED, *DEVICE)),
     Mutant("commit_only_root", "a decode step commits only the root's K/V, not the accepted drafts'",
            (Patch("clover/decode.py", "cpu_tensor([len(a.path) for a in accepted]))",
-                  "cpu_tensor([1 for a in accepted]))"),),
+                  "cpu_tensor([1 for a in accepted]))"),
+            Patch("clover/device_step.py", "    commit(keys, values, past_lengths, accepted.path)",
+                  "    commit(keys, values, past_lengths, accepted.path[:, :1])")),
            DECODE),
     Mutant("drop_commit", "a decode step commits no K/V at all",
            (Patch("clover/decode.py", "        self.cache.commit(result.present_keys, result.present_values, source,\n"
                                       "                          cpu_tensor([len(a.path) for a in accepted]))\n",
-                  "        pass  # mutant: the step's K/V are not committed\n"),),
+                  "        pass  # mutant: the step's K/V are not committed\n"),
+            Patch("clover/device_step.py", "    commit(keys, values, past_lengths, accepted.path)",
+                  "    pass  # mutant: the step's K/V are not committed")),
            DECODE),
     Mutant("rope_base_doubled", "the RoPE base doubled in both the torch and the ONNX target: vanilla and "
                                 "speculative decoding share the bug, only an independent reference sees it",
@@ -68,7 +74,7 @@ MUTANTS = (
                   "_rope(g, names[1], cfg.head_dim, 2 * cfg.rope_theta)"),
             Patch("clover/export/onnx_graph.py", "_RotaryCache(g, cfg.head_dim, cfg.rope_theta, max_positions)",
                   "_RotaryCache(g, cfg.head_dim, 2 * cfg.rope_theta, max_positions)")),
-           ("tests/test_kv_cache.py", *QUANTIZED, "tests/test_export.py", "tests/test_cli.py")),
+           ("tests/test_kv_cache.py", *QUANTIZED, "tests/test_export.py", "tests/test_cli.py", *DEVICE)),
     Mutant("prefill_commits_padding", "the prefill commits every row's K/V up to the batch's widest prompt, "
                                       "padding included",
            (Patch("clover/decode.py", "torch.arange(width).expand(batch, -1), lengths, rows=rows)",
