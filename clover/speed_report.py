@@ -103,9 +103,9 @@ def engine_note(meta) -> str | None:
     untrained heads, or no cost model to fall back to vanilla steps where drafting does not pay."""
     if meta.drafter_config is not None and meta.source.get("drafter") is None:
         return ("this engine's draft heads are untrained (initialised from the target): speculative steps cost "
-                "more than they save; trained heads (--drafter for export/build_engine.py) give the speed-up")
+                "more than they save; trained heads (clover build --drafter) give the speed-up")
     if meta.cost_model is None:
         return ("this engine has no cost model, so every step drafts a full tree; rebuild it with calibration "
-                "(the default) or run export/build_engine.py --recalibrate, and decoding falls back to vanilla "
+                "(the default) or run clover build --output DIR --recalibrate, and decoding falls back to vanilla "
                 "steps where drafting does not pay")
     return None

@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -135,6 +136,26 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     assert demo.cache_root(tmp_path / "flag") == tmp_path / "flag"
 
 
+def test_engines_live_in_clover_home_never_in_site_packages(monkeypatch, tmp_path):
+    for name in ("CLOVER_HOME", "CLOVER_ENGINE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    checkout = Path(__file__).resolve().parents[1]
+    assert demo.source_checkout() == checkout and demo.default_engine_dir() == checkout / "engines" / "demo"
+    # an installed wheel: the package's parent is site-packages, with no pyproject.toml beside it
+    site_packages = tmp_path / "site-packages"
+    (site_packages / "clover").mkdir(parents=True)
+    monkeypatch.setattr(demo, "package_parent", lambda: site_packages)
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: tmp_path / "user"))
+    assert demo.source_checkout() is None
+    assert demo.default_engine_dir() == tmp_path / "user" / ".cache" / "clover" / "engines" / "demo"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert demo.clover_home() == tmp_path / "xdg" / "clover"
+    monkeypatch.setenv("CLOVER_HOME", str(tmp_path / "home"))
+    assert demo.default_engine_dir() == tmp_path / "home" / "engines" / "demo"
+    monkeypatch.setenv("CLOVER_ENGINE_DIR", str(tmp_path / "engine"))
+    assert demo.default_engine_dir() == tmp_path / "engine"
+
+
 def test_stop_strings_cut_text_and_tokens(tiny_checkpoint):
     from clover.backends.torch import TorchEngine
     from clover.prompts import encode_prompt
@@ -190,7 +211,7 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"clover {version('clover-decoding')}"
 
 
-def test_build_runs_export_build_engine_with_its_own_options(capsys):
+def test_build_runs_the_packaged_build_with_its_own_options(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["build", "--help"])
     assert exit_info.value.code == 0

@@ -283,7 +283,7 @@ def test_bad_engine_dir_fails_the_model_load_with_a_clear_message(server, tmp_pa
         assert not client.is_model_ready("clover_bad") and client.is_model_ready("clover")
     finally:
         client.close()
-    assert "build it with python export/build_engine.py" in server.log_tail(20000)
+    assert "build it with clover build" in server.log_tail(20000)
 
 
 def test_clover2_engine_serves_greedy_output(server, reference, tiny_engine_dir, clover2_engine_path):

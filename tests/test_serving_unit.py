@@ -16,7 +16,7 @@ from clover.decode import GenerationRequest, SpeculativeDecoder, cut_at_stop
 from clover.serving.batcher import InflightBatcher, TextStream
 from clover.serving.protocol import (INPUTS, PARAMETERS, RequestError, RequestLimits, model_parameters, parse_request,
                                      render_model_config)
-from clover.serving.repository import source_repository, write_repository
+from clover.serving.repository import TEMPLATE_MODEL_PY, write_repository
 from tests.serving_support import PROMPTS, long_answer_prompt, reference, tiny_engine_dir  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,9 +35,12 @@ def test_committed_config_is_the_rendered_one():
     assert "decoupled: true" in committed
 
 
-def test_model_py_is_thin():
-    code = (REPO / "triton_repo" / "clover" / "1" / "model.py").read_text()
-    assert len(code.splitlines()) < 25 and "CloverTritonModel" in code
+def test_model_py_is_thin_and_the_checkout_serves_the_package_template():
+    code = TEMPLATE_MODEL_PY.read_text()
+    assert len(code.splitlines()) < 25 and "from clover.serving.triton_model import CloverTritonModel" in code
+    # tritonserver --model-repository triton_repo (a checkout) runs the same entry point as clover serve
+    assert (REPO / "triton_repo" / "clover" / "1" / "model.py").read_text() == code, \
+        "copy clover/serving/triton_template/model.py to triton_repo/clover/1/model.py"
 
 
 def test_rendered_parameters_and_errors(tmp_path):
@@ -55,7 +58,7 @@ def test_write_repository_points_models_at_engines(tmp_path):
     config = (repo / "clover" / "config.pbtxt").read_text()
     assert f'string_value: "{(Path.cwd() / "rel" / "engine").resolve()}"' in config
     assert 'string_value: "vanilla"' in (repo / "clover_vanilla" / "config.pbtxt").read_text()
-    assert (repo / "clover" / "1" / "model.py").read_text() == (source_repository() / "clover/1/model.py").read_text()
+    assert (repo / "clover" / "1" / "model.py").read_text() == TEMPLATE_MODEL_PY.read_text()
     with pytest.raises(ConfigError, match="not empty"):
         write_repository(tmp_path / "repo")
 
@@ -658,7 +661,7 @@ def test_serve_without_an_engine_says_how_to_build_one(tmp_path, capsys):
 
     assert main(["serve", "--engine", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
-    assert "no engine at" in err and "export/build_engine.py --output" in err
+    assert "no engine at" in err and "clover build --output" in err
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from clover.config import ConfigError
-from clover.demo import checkout_root, default_engine_dir
+from clover.demo import default_engine_dir
 from clover.serving.repository import MODEL_NAME, write_repository
 from clover.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, ServerError, TritonServer, free_port
 
@@ -47,10 +47,10 @@ DEMO_PROMPTS = (
 
 def resolve_serve_engine(engine: str | Path | None, backend: str = "auto") -> Path:
     """The engine directory to serve; ConfigError with the build command if there is none."""
-    engine_dir = Path(engine) if engine is not None else default_engine_dir(checkout_root())
+    engine_dir = Path(engine) if engine is not None else default_engine_dir()
     if backend != "torch" and not (engine_dir / "engine.json").exists():
-        raise ConfigError(f"no engine at {engine_dir}; build it with: python export/build_engine.py --output "
-                          f"{engine_dir}   (or pass --engine DIR)")
+        raise ConfigError(f"no engine at {engine_dir}; build it with: clover build --output {engine_dir}   "
+                          "(or pass --engine DIR)")
     return engine_dir
 
 

@@ -719,14 +719,14 @@ class FrontendProcess:
                 "--drain-timeout", str(self.drain_s)]
 
     def start(self) -> "FrontendProcess":
-        from clover.demo import checkout_root
+        from clover.demo import package_parent
         from clover.serving.server import ServerError
 
         for package in ("fastapi", "uvicorn"):
             if not _importable(package):
                 raise ServerError(f"--openai-port needs {package}: pip install -e '.[serve]'")
         env = os.environ.copy()
-        root = str(checkout_root())
+        root = str(package_parent())
         env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else root
         if self.log_file is not None:
             self._log_handle = open(self.log_file, "ab")

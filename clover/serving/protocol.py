@@ -81,7 +81,7 @@ PARAMETERS = {
     "max_batch": ("0", "sequences decoded together at most; 0: the engine's max_batch"),
     "tree_budget": ("", "draft tree nodes per step (default: the engine's tree defaults); with adaptive, the "
                         "largest budget a step may use"),
-    "adaptive": ("auto", "auto: like true when the engine has a calibrated cost model (export/build_engine.py "
+    "adaptive": ("auto", "auto: like true when the engine has a calibrated cost model (clover build "
                          "stores one by default), else a fixed budget; true: choose each step's tree budget from "
                          "the number of live sequences with that cost model, 0 (a vanilla step) where speculation "
                          "does not pay (refused at load without one); false: the fixed tree_budget every step"),

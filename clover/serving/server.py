@@ -43,7 +43,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from clover.demo import checkout_root
+from clover.demo import package_parent
 from clover.serving.protocol import DRAIN_FILE_ENV
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
@@ -216,7 +216,7 @@ class TritonServer:
             libs.append(env["LD_LIBRARY_PATH"])
         if libs:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
-        root = str(checkout_root())
+        root = str(package_parent())
         env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else root
         if self.drain_file is not None:
             env[DRAIN_FILE_ENV] = str(self.drain_file)  # the stubs inherit it (clover.serving.triton_model)
