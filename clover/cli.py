@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from clover.config import PROPOSERS, ConfigError, SamplingConfig, TreeConfig
+from clover.config import PROPOSERS, ConfigError, SamplingConfig, TreeConfig, sampling_range_error
 from clover.speed_report import report_lines
 
 
@@ -33,6 +33,20 @@ def _positive(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
     return number
+
+
+def _sampling(name: str, kind: type = float):
+    """An option type that refuses what every interface refuses (clover.config.SAMPLING_RANGES): clover client
+    would otherwise send a request the server refuses, and clover generate would differ from the server."""
+    def parse(text: str):
+        value = kind(text)
+        problem = sampling_range_error(name, value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{problem} (got {text})")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's "invalid float value" for text that is no number
+    return parse
 
 
 def add_generate_parser(subparsers) -> None:
@@ -75,10 +89,12 @@ def add_generate_parser(subparsers) -> None:
                         "onnxruntime engine (built once into engines/demo of $CLOVER_HOME: the checkout, or "
                         "~/.cache/clover for an installed package; minutes); else torch. torch: the reference path "
                         "on --target/--drafter")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (tree speculative sampling)")
-    p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--temperature", type=_sampling("temperature"), default=0.0,
+                   help="0 is greedy; up to 2 samples (tree speculative sampling)")
+    p.add_argument("--top-k", type=_sampling("top_k", int), default=0,
+                   help="sample only from the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=_sampling("top_p"), default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--seed", type=_sampling("seed", int), default=0, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--batch-size", type=_positive, default=8, help="sequences decoded together at most")
     p.add_argument("--max-seq-len", type=_positive, default=2048, help="KV cache length per sequence")
@@ -369,10 +385,11 @@ def add_client_parser(subparsers) -> None:
     p.add_argument("--prompts-file", type=Path, help='JSONL file of {"id": ..., "prompt": ...} lines')
     p.add_argument("--max-tokens", type=_positive, default=128, help="new tokens per answer at most")
     p.add_argument("--no-stream", action="store_true", help="one response per request instead of streaming")
-    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (the server's default)")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--temperature", type=_sampling("temperature"), default=None,
+                   help="0 is greedy (the server's default); up to 2 samples")
+    p.add_argument("--top-k", type=_sampling("top_k", int), default=None, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=_sampling("top_p"), default=None, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--seed", type=_sampling("seed", int), default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt text as is")
     p.add_argument("--concurrency", type=_positive, default=None, help="load generator: concurrent streams")
@@ -437,10 +454,13 @@ def cmd_client(args) -> int:
                 close()
         return 0
     except (ClientError, ConnectionError) as exc:
-        print(f"clover: error: {exc}", file=sys.stderr)
-        if not _listening(url):
-            print(f"clover: nothing listens at {url}; start the server first, in another terminal: clover serve "
-                  "(or pass --url where it runs)", file=sys.stderr)
+        # one line: where nothing listens, the transport's own error (gRPC's "failed to connect to all
+        # addresses; ...") says less than this
+        if _listening(url):
+            print(f"clover: error: {exc}", file=sys.stderr)
+        else:
+            print(f"clover: error: nothing listens at {url}; start the server first, in another terminal: clover "
+                  "serve (or pass --url where it runs)", file=sys.stderr)
         return 1
     except ImportError as exc:
         print(f"clover: error: {exc}; install the clients with: pip install 'tritonclient[all]'", file=sys.stderr)

@@ -225,6 +225,32 @@ def test_build_runs_the_packaged_build_with_its_own_options(capsys):
     assert exit_info.value.code == 2 and "unrecognized arguments: --no-such-option" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option, value", [("--temperature", "5"), ("--temperature", "-1"), ("--top-p", "0"),
+                                           ("--top-p", "1.5"), ("--top-k", "-1"), ("--top-k", str(2**31)),
+                                           ("--seed", "-1")])
+def test_client_and_generate_refuse_what_the_openai_endpoint_refuses(option, value, capsys):
+    for command in (["client", "--prompt", "hi"], ["generate", "--prompt", "hi"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, option, value])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"argument {option}: " in err and "must be" in err, err
+    frontend = pytest.importorskip("clover.serving.openai_frontend", reason="the OpenAI frontend needs pydantic")
+    field = option[2:].replace("-", "_")
+    body = {"model": "clover", "messages": [{"role": "user", "content": "hi"}], field: json.loads(value)}
+    with pytest.raises(frontend.OpenAIError, match=f"^{field} must be"):
+        frontend.parse_body(frontend.ChatCompletionRequest, json.dumps(body).encode())
+
+
+def test_client_sends_the_ends_of_the_ranges(capsys):
+    from clover.serving.server import free_port
+
+    url = f"127.0.0.1:{free_port()}"  # nothing listens: exit code 1 once the options are accepted (2: refused)
+    for option, value in (("--temperature", "2"), ("--temperature", "0"), ("--top-p", "1"), ("--top-k", "0"),
+                          ("--seed", str(2**64 - 1))):
+        assert main(["client", "--protocol", "http", "--url", url, option, value, "--max-tokens", "1"]) == 1
+        assert "nothing listens" in capsys.readouterr().err
+
+
 def _option_help(command: str, option: str, capsys) -> str:
     with pytest.raises(SystemExit):
         main([command, "--help"])

@@ -158,7 +158,7 @@ def test_max_tokens_out_of_range_is_worded_the_same_whatever_its_size(tokenizer,
 def test_model_refusals_name_the_parameter():
     params = {"prompt": "messages", "max_tokens": "max_completion_tokens"}
     cases = {"max_new_tokens must be >= 1, got 0": "max_completion_tokens",
-             "temperature must be >= 0 (got temperature=-1, top_p=1)": "temperature",
+             "temperature must be between 0 and 2 (got temperature=-1, top_p=1)": "temperature",
              "top_p must be in (0, 1] (got temperature=0, top_p=2)": "top_p",
              "the prompt is empty": "messages", "the prompt is 300 tokens and does not fit": "messages"}
     for message, param in cases.items():

@@ -114,11 +114,12 @@ def test_parse_request_reads_every_input():
     ({"max_tokens": np.array([2.5], np.float32)}, "must be an integer"),
     ({"max_tokens": np.array([[1, 2]], np.int32)}, "exactly one value"),
     ({"text_input": np.array([b"x" * 64], dtype=object)}, "the prompt is 64 tokens"),
-    ({"temperature": np.array([-0.5], np.float32)}, "temperature must be >= 0"),
+    ({"temperature": np.array([-0.5], np.float32)}, "temperature must be between 0 and 2"),
+    ({"temperature": np.array([5.0], np.float32)}, "temperature must be between 0 and 2"),  # as the OpenAI endpoint
     ({"temperature": np.array([np.nan], np.float32)}, "finite"),
     ({"top_p": np.array([0.0], np.float32)}, r"top_p must be in \(0, 1\]"),
     ({"top_p": np.array([1.5], np.float32)}, r"top_p must be in \(0, 1\]"),
-    ({"top_k": np.array([-1], np.int32)}, "top_k must be >= 0"),
+    ({"top_k": np.array([-1], np.int32)}, "top_k must be between 0 and"),
     ({"end_id": np.array([999], np.int32)}, "outside the vocabulary"),
     ({"stream": np.array([1], np.int32)}, "must be a boolean"),
     ({"stop_words": np.array([b"\xff"], dtype=object)}, "stop_words"),
@@ -675,6 +676,7 @@ def test_client_without_a_server_says_to_start_one(protocol, capsys):
     assert main(["client", "--protocol", protocol, "--url", url, "--prompt", "hi", "--max-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert f"nothing listens at {url}; start the server first" in err and "clover serve" in err, err
+    assert len(err.splitlines()) == 1, err  # not the transport's raw error first
 
 
 def test_serve_and_client_help(capsys):

@@ -44,12 +44,11 @@ from typing import AsyncIterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clover.client import _as_array, _chunk, request_fields, tokens_per_step  # the model's tensor mapping
+from clover.config import sampling_range_error
 from clover.prompts import encode_prompt
 
 MODEL_NAME = "clover"
 DEFAULT_PORT = 9000
-_INT32_MAX = 2**31 - 1
-_UINT64_MAX = 2**64 - 1
 # the finish reason of a request that shutdown ended (the model's drain uses the same)
 CANCELLED = "cancelled"
 # seconds uvicorn waits beyond the drain for the requests to send their last chunk, before it cancels them
@@ -159,10 +158,6 @@ def _param_path(loc: tuple) -> str:
     return path
 
 
-# OpenAI's ranges (top_k's and seed's: what the model's INT32 and UINT64 inputs hold); max_tokens: _check_max_tokens
-_RANGES = {"temperature": (0, 2), "top_k": (0, _INT32_MAX), "seed": (0, _UINT64_MAX)}
-
-
 def _out_of_range(param: str, value, low, high, note: str = "") -> OpenAIError:
     return OpenAIError(400, f"{param} must be between {low} and {high}{note} (got {_shown(value)})", param)
 
@@ -173,12 +168,12 @@ def _shown(value) -> str:
 
 
 def _check_ranges(body: _GenerationFields) -> None:
-    for param, (low, high) in _RANGES.items():
+    """The ranges every interface shares (clover.config.SAMPLING_RANGES); max_tokens: _check_max_tokens."""
+    for param in ("temperature", "top_p", "top_k", "seed"):
         value = getattr(body, param)
-        if value is not None and not low <= value <= high:  # NaN too
-            raise _out_of_range(param, value, low, high)
-    if body.top_p is not None and not 0 < body.top_p <= 1:
-        raise OpenAIError(400, f"top_p must be in (0, 1] (got {_shown(body.top_p)})", "top_p")
+        problem = sampling_range_error(param, value) if value is not None else None
+        if problem:
+            raise OpenAIError(400, f"{problem} (got {_shown(value)})", param)
 
 
 def _check_max_tokens(param: str, value: int, context: int) -> None:
