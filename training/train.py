@@ -695,6 +695,18 @@ NUMBER_OPTIONS_HELP = {
 }
 
 
+def _add_number_options(parser: argparse.ArgumentParser, fields: dict) -> None:
+    """--num-heads, --lr, ...: one option per numeric TrainConfig field of NUMBER_OPTIONS_HELP."""
+    for name in ("num_heads", "decoder_heads", "save_every", "log_every", "epochs", "max_tokens", "batch_tokens",
+                 "bucket_size", "row_chunk", "seed", "warmup_steps", "threads", "topk_tokens"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=fields[name].default,
+                            help=_number_help(name, fields[name].default))
+    for name in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip", "head_decay", "init_noise_std",
+                 "regression_weight", "topk_weight", "save_minutes"):
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=fields[name].default,
+                            help=_number_help(name, fields[name].default))
+
+
 def _number_help(name: str, default) -> str:
     return NUMBER_OPTIONS_HELP[name] + ("" if default is None else " (default %(default)s)")
 
@@ -716,14 +728,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--output", required=True, help="run directory: checkpoints, then the final heads")
     parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo' (only its LM head and shape are used)")
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    for name in ("num_heads", "decoder_heads", "save_every", "log_every", "epochs", "max_tokens", "batch_tokens",
-                 "bucket_size", "row_chunk", "seed", "warmup_steps", "threads", "topk_tokens"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=fields[name].default,
-                            help=_number_help(name, fields[name].default))
-    for name in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip", "head_decay", "init_noise_std",
-                 "regression_weight", "topk_weight", "save_minutes"):
-        parser.add_argument("--" + name.replace("_", "-"), type=float, default=fields[name].default,
-                            help=_number_help(name, fields[name].default))
+    _add_number_options(parser, fields)
     parser.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                         help="pause after this step: checkpoint there and exit without the final heads (e.g. to "
                              "compare methods at equal data, or to end a session). The learning rate still follows "
