@@ -122,17 +122,7 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                     _start_openai(frontend, startup_timeout_s, out)
                 return _wait_for_exit(server, frontend, out)
             except KeyboardInterrupt:
-                print(f"\n[clover] stopping {'the OpenAI frontend and ' if frontend else ''}tritonserver (requests in "
-                      f"flight get {drain_s:g} s) ...", file=out, flush=True)
-                if server is not None:
-                    # first: the model ends the requests in flight at the drain deadline, each with its final
-                    # response, which the frontend still forwards (its open streams end with data: [DONE])
-                    server.request_drain()
-                if frontend is not None:
-                    print(f"[clover] stopped the OpenAI frontend (exit code {_shown(frontend.stop())})", file=out,
-                          flush=True)
-                code = server.stop() if server is not None else 0
-                return _report_stop(code, log_file, out)
+                return _drain_and_stop(server, frontend, drain_s, log_file, out)
     except ServerError as exc:
         print(f"clover: error: {exc}", file=sys.stderr)
         return 1
@@ -142,6 +132,27 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _drain_and_stop(server: TritonServer | None, frontend, drain_s: float, log_file: Path | None,
+                    out: TextIO) -> int:
+    """The first Ctrl-C (or SIGTERM): the drain, then the stop; a second Ctrl-C meanwhile stops at once
+    (exit code 1: requests were cut short, though each still ended with its final response)."""
+    print(f"\n[clover] stopping {'the OpenAI frontend and ' if frontend else ''}tritonserver (requests in "
+          f"flight get {drain_s:g} s; Ctrl-C again stops at once) ...", file=out, flush=True)
+    if server is not None:
+        # first: the model ends the requests in flight at the drain deadline, each with its final
+        # response, which the frontend still forwards (its open streams end with data: [DONE])
+        server.request_drain()
+    if frontend is not None:
+        print(f"[clover] stopped the OpenAI frontend (exit code {_shown(frontend.stop())})", file=out, flush=True)
+    forced = frontend is not None and frontend.forced
+    code = server.stop(timeout_s=0 if forced else None) if server is not None else 0
+    if forced or (server is not None and server.forced):
+        print("[clover] stopped at once (second Ctrl-C): requests in flight were cut short", file=out, flush=True)
+        print("clover: error: stopped before the drain ended (exit code 1)", file=sys.stderr, flush=True)
+        return 1
+    return _report_stop(code, log_file, out)
 
 
 def _report_stop(code: int | None, log_file: Path | None, out: TextIO) -> int:

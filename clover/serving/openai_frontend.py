@@ -53,6 +53,8 @@ DEFAULT_PORT = 9000
 CANCELLED = "cancelled"
 # seconds uvicorn waits beyond the drain for the requests to send their last chunk, before it cancels them
 _SHUTDOWN_MARGIN_S = 5.0
+# at a forced stop (a second Ctrl-C), seconds the frontend has to end its streams with [DONE] before SIGKILL
+FORCED_STOP_S = 5.0
 
 
 class OpenAIError(Exception):
@@ -448,7 +450,9 @@ async def stream_events(first, chunks: AsyncIterator, request: TritonRequest, sh
 
 class Shutdown:
     """The frontend's drain: :meth:`request` (from a signal handler) starts it; ``drain_s`` later
-    :attr:`expired` is set and the requests still open end themselves (:func:`until_shutdown`)."""
+    :attr:`expired` is set and the requests still open end themselves (:func:`until_shutdown`).
+    :meth:`force` (a second stop signal) sets it at once: the open requests still end properly, each stream
+    with its final chunk and ``data: [DONE]``, and the process exits non-zero (:attr:`forced`)."""
 
     def __init__(self, drain_s: float) -> None:
         self.drain_s = drain_s
@@ -456,6 +460,7 @@ class Shutdown:
         self.loop: asyncio.AbstractEventLoop | None = None  # set at startup
         self.expired = asyncio.Event()
         self.started = False
+        self.forced = False
 
     def request(self) -> None:
         """Start the drain; safe to call from a signal handler or another thread."""
@@ -470,6 +475,20 @@ class Shutdown:
         print(f"[clover] OpenAI frontend: shutting down; {self.open_requests} open request(s) end within "
               f"{self.drain_s:g} s", file=sys.stderr, flush=True)
         self.loop.call_later(self.drain_s, self.expired.set)
+
+    def force(self) -> None:
+        """End the open requests now; safe to call from a signal handler or another thread."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._end_now)
+
+    def _end_now(self) -> None:
+        if self.forced:
+            return
+        self._begin()
+        self.forced = True
+        print(f"[clover] OpenAI frontend: stopping at once; {self.open_requests} open request(s) end now",
+              file=sys.stderr, flush=True)
+        self.expired.set()
 
 
 async def until_shutdown(chunks: AsyncIterator, shutdown: Shutdown) -> AsyncIterator:
@@ -674,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: None if serving.started else sys.exit(0))
     serving.run()
-    return 0
+    return 1 if app.state.shutdown.forced else 0  # a forced stop cut requests short: not a clean exit
 
 
 def _server(app, args):
@@ -684,6 +703,9 @@ def _server(app, args):
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:  # a second stop signal: not uvicorn's force_exit, which would cut the streams
+                app.state.shutdown.force()
+                return
             super().handle_exit(sig, frame)
             app.state.shutdown.request()
 
@@ -702,6 +724,7 @@ class FrontendProcess:
         self.log_file = Path(log_file) if log_file is not None else None
         self.process: subprocess.Popen | None = None
         self._log_handle = None
+        self.forced = False  # stop() was cut short by a second Ctrl-C
 
     @property
     def url(self) -> str:
@@ -756,7 +779,9 @@ class FrontendProcess:
 
     def stop(self, timeout_s: float | None = None) -> int | None:
         """SIGTERM (the drain: open requests end within ``drain_s``), SIGKILL by PID after ``timeout_s``
-        (default: the drain and uvicorn's margin, plus 10 s) or at a second Ctrl-C; returns the exit code."""
+        (default: the drain and uvicorn's margin, plus 10 s); at a second Ctrl-C a second SIGTERM (the open
+        requests end now, streams with ``[DONE]``: :attr:`forced`), SIGKILL if that takes more than
+        FORCED_STOP_S. Returns the exit code."""
         if self.process is None:
             return None
         timeout_s = self.drain_s + _SHUTDOWN_MARGIN_S + 10 if timeout_s is None else timeout_s
@@ -767,8 +792,10 @@ class FrontendProcess:
                 self.process.send_signal(signal.SIGTERM)
                 try:
                     exited = reap(self.process, timeout_s)
-                except KeyboardInterrupt:
-                    exited = False
+                except KeyboardInterrupt:  # a second Ctrl-C: the frontend ends its open requests now
+                    self.forced = True
+                    self.process.send_signal(signal.SIGTERM)
+                    exited = reap(self.process, FORCED_STOP_S)
                 if not exited:
                     self.process.kill()
                     reap(self.process, KILL_WAIT_S)

@@ -149,6 +149,7 @@ class TritonServer:
         self._log_handle = None
         self._stub_regions: set[str] = set()
         self._stubs: dict[int, str] = {}  # pid -> its /proc start time, to tell a reused pid apart
+        self.forced = False  # stop() was cut short by a second Ctrl-C
 
     # -- endpoints --------------------------------------------------------
 
@@ -351,7 +352,7 @@ class TritonServer:
                     if not exited:
                         _say(f"tritonserver (pid {self.pid}) did not exit within {timeout_s:g} s of SIGINT; killing it")
                 except KeyboardInterrupt:  # a second Ctrl-C: stop now
-                    exited = False
+                    self.forced, exited = True, False
                 if not exited:
                     self.kill()
             return self.process.returncode
