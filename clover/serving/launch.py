@@ -147,7 +147,9 @@ def _drain_and_stop(server: TritonServer | None, frontend, drain_s: float, log_f
     if frontend is not None:
         print(f"[clover] stopped the OpenAI frontend (exit code {_shown(frontend.stop())})", file=out, flush=True)
     forced = frontend is not None and frontend.forced
-    code = server.stop(timeout_s=0 if forced else None) if server is not None else 0
+    if forced and server is not None:
+        server.kill()  # asked to stop at once: the frontend's streams have ended, tritonserver gets no drain
+    code = server.stop() if server is not None else 0
     if forced or (server is not None and server.forced):
         print("[clover] stopped at once (second Ctrl-C): requests in flight were cut short", file=out, flush=True)
         print("clover: error: stopped before the drain ended (exit code 1)", file=sys.stderr, flush=True)
