@@ -22,11 +22,12 @@ import threading
 import time
 import urllib.request
 import zipfile
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # about 1.5 min on 2 busy cores: a wheel, a venv, a demo engine, two servers
+pytestmark = pytest.mark.slow  # about 1 min on 2 cores (56 s, 2026-12-04): a wheel, a venv, a demo engine, two servers
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "clover", "trt_plugins")  # what setuptools reads to build it
@@ -97,9 +98,13 @@ def test_the_installed_package_runs_from_the_venv(installed):
     bin_dir, env, user, purelib = installed
     where = _run([bin_dir / "python", "-c", "import clover; print(clover.__file__)"], env, user).stdout.strip()
     assert Path(where) == purelib / "clover" / "__init__.py"
-    from importlib.metadata import version
-
     assert _run([bin_dir / "clover", "--version"], env, user).stdout.strip() == f"clover {version('clover-decoding')}"
+    assert _run([bin_dir / "python", "-m", "clover.export", "--help"], env, user).stdout.startswith(
+        "usage: python -m clover.export")
+    # the GPU path compiles the tree-attention kernel from these on first use (trt_plugins/torch_ext)
+    sources = _run([bin_dir / "python", "-c", "import trt_plugins.torch_ext as ext; print(*ext.SOURCES, sep='\\n')"],
+                   env, user).stdout.split()
+    assert sources and all(Path(path).is_file() and Path(path).is_relative_to(purelib) for path in sources), sources
 
 
 @pytest.fixture(scope="module")
