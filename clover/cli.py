@@ -300,8 +300,9 @@ def add_serve_parser(subparsers) -> None:
         "serve",
         help="serve an engine with Triton Inference Server (HTTP, gRPC, metrics)",
         description="Run tritonserver on a Clover model repository (written from the package's template), "
-                    "pointed at an engine directory: a tritonserver on PATH, else the binary of the nvidia-pytriton wheel. Concurrent "
-                    "requests share decode steps (in-flight batching); streaming uses decoupled mode. "
+                    "pointed at an engine directory: a tritonserver on PATH, else the binary of the nvidia-pytriton "
+                    "wheel. Concurrent requests share decode steps (in-flight batching); streaming uses decoupled "
+                    "mode. "
                     "Ctrl-C or SIGTERM drains: new requests are refused, those in flight get --drain-timeout "
                     "seconds, then are cancelled; a second Ctrl-C cancels them at once (exit code 1). "
                     "Closed by default: binds 127.0.0.1, and Triton's admin APIs "
