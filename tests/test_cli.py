@@ -1,6 +1,7 @@
 """`clover generate` on a tiny random checkpoint with a tiny byte-level tokenizer."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -223,6 +224,23 @@ def test_build_runs_the_packaged_build_with_its_own_options(capsys):
     with pytest.raises(SystemExit) as exit_info:  # only build passes unknown options on
         main(["client", "--no-such-option"])
     assert exit_info.value.code == 2 and "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
+def test_the_checkouts_build_script_and_python_m_clover_export_run_the_same_build(tmp_path):
+    import subprocess
+    import sys
+
+    checkout = Path(__file__).resolve().parents[1]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    script = [sys.executable, str(checkout / "export" / "build_engine.py")]
+    for command, usage in ((script, "python export/build_engine.py"),
+                           ([sys.executable, "-m", "clover.export"], "python -m clover.export")):
+        # from elsewhere: the script finds its checkout's package by itself
+        cwd = tmp_path if command[1].endswith(".py") else checkout
+        done = subprocess.run([*command, "--target", str(tmp_path / "none"), "--output", str(tmp_path / "engine")],
+                              cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        said = done.stderr
+        assert done.returncode == 2 and said.startswith(f"{usage}: error: ") and "no config.json" in said, said
 
 
 @pytest.mark.parametrize("option, value", [("--temperature", "5"), ("--temperature", "-1"), ("--top-p", "0"),
