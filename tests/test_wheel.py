@@ -31,17 +31,20 @@ pytestmark = pytest.mark.slow  # about 1 min on 2 cores (56 s, 2026-12-04): a wh
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "clover", "trt_plugins")  # what setuptools reads to build it
-# package data a user needs without a checkout (the rest of the package is .py modules)
+# what a user needs without a checkout, beside the modules: the Triton template, the build's entry point, the
+# kernel sources the GPU path compiles, the shipped heads
 PACKAGE_DATA = ("clover/serving/triton_template/model.py", "clover/export/__main__.py",
                 "trt_plugins/tree_attention_kernel.cu", "trt_plugins/tree_attention_kernel.h",
-                "trt_plugins/torch_ext/tree_attention_ext.cpp", "clover/assets/smollm2-135m-instruct/clover/config.json")
+                "trt_plugins/torch_ext/tree_attention_ext.cpp",
+                "clover/assets/smollm2-135m-instruct/clover/config.json")
 COMMAND_S = 600
 NEW_TOKENS = 8
 
 
 def _run(args, env, cwd, timeout=COMMAND_S) -> subprocess.CompletedProcess:
     done = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(map(str, args))} exited with {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    command = " ".join(map(str, args))
+    assert done.returncode == 0, f"{command} exited with {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done
 
 
