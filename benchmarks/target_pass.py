@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The onnxruntime target pass against the memory bound (issue 14, part 4; docs/results/target-pass).
 
-Three measurements on engines built by ``export/build_engine.py``:
+Three measurements on engines built by ``clover build``:
 
 ``profile``
     onnxruntime's own profiler (``SessionOptions.enable_profiling``) over repeated target passes (T new

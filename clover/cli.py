@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from clover.config import PROPOSERS, ConfigError, SamplingConfig, TreeConfig
+from clover.config import PROPOSERS, ConfigError, SamplingConfig, TreeConfig, sampling_range_error
 from clover.speed_report import report_lines
 
 
@@ -35,6 +35,20 @@ def _positive(value: str) -> int:
     return number
 
 
+def _sampling(name: str, kind: type = float):
+    """An option type that refuses what every interface refuses (clover.config.SAMPLING_RANGES): clover client
+    would otherwise send a request the server refuses, and clover generate would differ from the server."""
+    def parse(text: str):
+        value = kind(text)
+        problem = sampling_range_error(name, value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{problem} (got {text})")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's "invalid float value" for text that is no number
+    return parse
+
+
 def add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "generate",
@@ -50,7 +64,7 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--summary", type=Path, help="write totals (new tokens, decode seconds, tokens/s, tokens/step, acceptance rate) as JSON")
     p.add_argument("--target", default="demo", help="Hugging Face checkpoint directory, or 'demo' for the embedded SmolLM2-135M-Instruct")
     p.add_argument("--cache-dir", help="where the demo checkpoint is converted to (default: $CLOVER_CACHE_DIR or ~/.cache/clover)")
-    p.add_argument("--engine", type=Path, help="built engine directory (export/build_engine.py); replaces "
+    p.add_argument("--engine", type=Path, help="built engine directory (clover build); replaces "
                    "--target/--drafter: tokenizer, heads and limits come from its engine.json")
     p.add_argument("--method", choices=["vanilla", "medusa", "clover", "clover2", "suffix"], default=None,
                    help="decoding method (default: the family of the heads in use, clover for the torch path; "
@@ -72,12 +86,15 @@ def add_generate_parser(subparsers) -> None:
                         "default: whenever the engine has one; --no-adaptive keeps --tree-budget fixed")
     p.add_argument("--backend", choices=["auto", "onnxruntime", "torch"], default="auto",
                    help="auto: the --engine if given; on the demo target with its shipped Clover heads, the demo "
-                        "onnxruntime engine (built once into engines/demo: minutes); else torch. torch: the "
-                        "reference path on --target/--drafter")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (tree speculative sampling)")
-    p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+                        "onnxruntime engine (built once into engines/demo of $CLOVER_HOME: the checkout, or "
+                        "~/.cache/clover for an installed package; minutes); else torch. torch: the reference path "
+                        "on --target/--drafter")
+    p.add_argument("--temperature", type=_sampling("temperature"), default=0.0,
+                   help="0 is greedy; up to 2 samples (tree speculative sampling)")
+    p.add_argument("--top-k", type=_sampling("top_k", int), default=0,
+                   help="sample only from the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=_sampling("top_p"), default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--seed", type=_sampling("seed", int), default=0, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--batch-size", type=_positive, default=8, help="sequences decoded together at most")
     p.add_argument("--max-seq-len", type=_positive, default=2048, help="KV cache length per sequence")
@@ -282,11 +299,13 @@ def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "serve",
         help="serve an engine with Triton Inference Server (HTTP, gRPC, metrics)",
-        description="Run tritonserver on the Clover model repository (triton_repo/), pointed at an engine "
-                    "directory: a tritonserver on PATH, else the binary of the nvidia-pytriton wheel. Concurrent "
-                    "requests share decode steps (in-flight batching); streaming uses decoupled mode. "
+        description="Run tritonserver on a Clover model repository (written from the package's template), "
+                    "pointed at an engine directory: a tritonserver on PATH, else the binary of the nvidia-pytriton "
+                    "wheel. Concurrent requests share decode steps (in-flight batching); streaming uses decoupled "
+                    "mode. "
                     "Ctrl-C or SIGTERM drains: new requests are refused, those in flight get --drain-timeout "
-                    "seconds, then are cancelled. Closed by default: binds 127.0.0.1, and Triton's admin APIs "
+                    "seconds, then are cancelled; a second Ctrl-C cancels them at once (exit code 1). "
+                    "Closed by default: binds 127.0.0.1, and Triton's admin APIs "
                     "(shared memory, model repository, config, statistics, trace, logging) need the header "
                     "clover-admin-key: $CLOVER_ADMIN_KEY (unset: a random key, so they are closed). "
                     "Exit code: 0 after a clean shutdown; 1 when tritonserver did not exit cleanly or a model's "
@@ -294,8 +313,9 @@ def add_serve_parser(subparsers) -> None:
                     "Restart=on-failure, Kubernetes) restarts it. See docs/serving.md.",
         formatter_class=_HelpFormatter,
     )
-    p.add_argument("--engine", type=Path, help="engine directory from export/build_engine.py "
-                   "(default: $CLOVER_ENGINE_DIR, else engines/demo in this checkout)")
+    p.add_argument("--engine", type=Path, help="engine directory from clover build "
+                   "(default: $CLOVER_ENGINE_DIR, else engines/demo in $CLOVER_HOME: the checkout, or "
+                   "~/.cache/clover for an installed package)")
     p.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "torch"], default="auto",
                    help="engine backend; auto takes the one engine.json names")
     p.add_argument("--method", choices=["auto", "clover", "clover2", "medusa", "vanilla", "suffix"], default="auto",
@@ -308,7 +328,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--tree-budget", type=int, default=None, help=TREE_BUDGET_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose each step's tree budget (0 to --tree-budget) from the number of live sequences "
-                        "with the engine's cost model; default: whenever the engine has one (export/build_engine.py "
+                        "with the engine's cost model; default: whenever the engine has one (clover build "
                         "calibrates by default); --no-adaptive keeps --tree-budget fixed")
     p.add_argument("--threads", type=int, default=0, help="engine CPU threads (0: the backend's default)")
     p.add_argument("--host", default="127.0.0.1",
@@ -367,10 +387,11 @@ def add_client_parser(subparsers) -> None:
     p.add_argument("--prompts-file", type=Path, help='JSONL file of {"id": ..., "prompt": ...} lines')
     p.add_argument("--max-tokens", type=_positive, default=128, help="new tokens per answer at most")
     p.add_argument("--no-stream", action="store_true", help="one response per request instead of streaming")
-    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (the server's default)")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--temperature", type=_sampling("temperature"), default=None,
+                   help="0 is greedy (the server's default); up to 2 samples")
+    p.add_argument("--top-k", type=_sampling("top_k", int), default=None, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=_sampling("top_p"), default=None, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--seed", type=_sampling("seed", int), default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt text as is")
     p.add_argument("--concurrency", type=_positive, default=None, help="load generator: concurrent streams")
@@ -435,10 +456,13 @@ def cmd_client(args) -> int:
                 close()
         return 0
     except (ClientError, ConnectionError) as exc:
-        print(f"clover: error: {exc}", file=sys.stderr)
-        if not _listening(url):
-            print(f"clover: nothing listens at {url}; start the server first, in another terminal: clover serve "
-                  "(or pass --url where it runs)", file=sys.stderr)
+        # one line: where nothing listens, the transport's own error (gRPC's "failed to connect to all
+        # addresses; ...") says less than this
+        if _listening(url):
+            print(f"clover: error: {exc}", file=sys.stderr)
+        else:
+            print(f"clover: error: nothing listens at {url}; start the server first, in another terminal: clover "
+                  "serve (or pass --url where it runs)", file=sys.stderr)
         return 1
     except ImportError as exc:
         print(f"clover: error: {exc}; install the clients with: pip install 'tritonclient[all]'", file=sys.stderr)
@@ -458,26 +482,18 @@ def _listening(url: str) -> bool:
 
 
 def add_build_parser(subparsers) -> None:
-    # the options are export/build_engine.py's own, parsed there: clover build passes its arguments on
+    # the options are clover.export.command's own, parsed there (also python -m clover.export): clover build
+    # passes its arguments on
     p = subparsers.add_parser("build", add_help=False,
-                              help="build an engine directory (export/build_engine.py; clover build --help lists "
-                                   "its options)")
+                              help="build an engine directory (clover build --help lists its options)")
     p.set_defaults(func=cmd_build)
 
 
 def cmd_build(args) -> int:
-    """``clover build ARGS``: ``python export/build_engine.py ARGS`` (one parser, in that script)."""
-    import importlib.util
+    """``clover build ARGS``: :func:`clover.export.command.main` (one parser, in the package)."""
+    from clover.export.command import main as build_main
 
-    from clover.demo import checkout_root
-
-    script = checkout_root() / "export" / "build_engine.py"
-    if not script.is_file():
-        raise FileNotFoundError(f"{script} is missing: clover build runs from a source checkout (pip install -e .)")
-    spec = importlib.util.spec_from_file_location("clover_build_engine_script", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(args.build_args, prog="clover build")
+    return build_main(args.build_args, prog="clover build")
 
 
 def _version() -> str:

@@ -334,6 +334,21 @@ class TreeConfig(JsonMixin):
         return self.proposer == "suffix" or (self.proposer is None and self.static_choices is None)
 
 
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+# The sampling ranges of every interface: clover generate, clover client, the Triton model and the OpenAI endpoint
+# (OpenAI's temperature range; top_k and seed: what the model's INT32 and UINT64 inputs hold). top_p: (0, 1].
+SAMPLING_RANGES = {"temperature": (0, 2), "top_k": (0, INT32_MAX), "seed": (0, UINT64_MAX)}
+
+
+def sampling_range_error(name: str, value: float) -> str | None:
+    """What is wrong with sampling parameter ``name`` = ``value`` (NaN included), or None when it is in range."""
+    if name == "top_p":
+        return None if 0 < value <= 1 else "top_p must be in (0, 1]"
+    low, high = SAMPLING_RANGES[name]
+    return None if low <= value <= high else f"{name} must be between {low} and {high}"
+
+
 @dataclasses.dataclass
 class SamplingConfig(JsonMixin):
     """Per-sequence sampling. ``temperature == 0`` is greedy decoding."""
@@ -343,12 +358,10 @@ class SamplingConfig(JsonMixin):
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError("temperature must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError("top_k must be >= 0")
+        for name in ("temperature", "top_p", "top_k"):
+            problem = sampling_range_error(name, getattr(self, name))
+            if problem:
+                raise ConfigError(problem)
 
     @property
     def greedy(self) -> bool:

@@ -362,7 +362,7 @@ class SpeculativeDecoder:
         if cost_model is None:
             if wanted:
                 raise ConfigError("adaptive trees need a cost model: build the engine with calibration (the "
-                                  "default of export/build_engine.py), or pass cost_model (clover.adaptive.calibrate)")
+                                  "default of clover build), or pass cost_model (clover.adaptive.calibrate)")
             return None
         if not uses_heads(self.method):  # suffix alone: no heads' budget; the cost model decides which candidates pay
             return AdaptiveBudget(cost_model, 0, 1, 0, step_timing=step_timing)

@@ -28,20 +28,40 @@ SHIPPED_PREFIX = "demo-"  # --drafter demo-clover / demo-medusa
 
 DEFAULT_ENGINE_SUBDIR = Path("engines") / "demo"
 ENGINE_ENV = "CLOVER_ENGINE_DIR"
+HOME_ENV = "CLOVER_HOME"
 
 
-def checkout_root() -> Path:
-    """The directory that holds the ``clover`` package (in a source checkout: the repository root)."""
+def package_parent() -> Path:
+    """The directory that holds the ``clover`` package: a source checkout's root, or an install's site-packages."""
     return Path(__file__).resolve().parent.parent
 
 
+def source_checkout() -> Path | None:
+    """The root of the source checkout this package runs from (editable installs included), or None when it
+    runs from an installed wheel."""
+    root = package_parent()
+    return root if (root / "pyproject.toml").is_file() and (root / "clover" / "cli.py").is_file() else None
+
+
+def clover_home() -> Path:
+    """Where commands keep what they build by default (the demo engine): ``$CLOVER_HOME``, else the source
+    checkout, else ``~/.cache/clover`` (``$XDG_CACHE_HOME/clover``): never inside site-packages."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser()
+    return source_checkout() or _user_cache()
+
+
 def default_engine_dir(repository_parent: str | Path | None = None) -> Path:
-    """``$CLOVER_ENGINE_DIR``, else ``engines/demo`` in ``repository_parent`` (default: the checkout root),
+    """``$CLOVER_ENGINE_DIR``, else ``engines/demo`` in ``repository_parent`` (default: :func:`clover_home`),
     where ``clover serve --demo`` and ``clover generate`` on the demo target build the demo engine once."""
     env = os.environ.get(ENGINE_ENV)
     if env:
         return Path(env)
-    return Path(repository_parent or checkout_root()) / DEFAULT_ENGINE_SUBDIR
+    return Path(repository_parent or clover_home()) / DEFAULT_ENGINE_SUBDIR
+
+
+def _user_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover"
 
 
 class DemoModelMissing(RuntimeError):
@@ -54,7 +74,7 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
         return Path(cache_dir)
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "clover"
+    return _user_cache()
 
 
 def find_demo_gguf() -> Path:

@@ -61,7 +61,7 @@ class EngineMeta:
     target_quantization: dict | None = None  # quantized target weights (docs/quantized-target.md); None: fp32/fp16
     tree_defaults: TreeConfig = dataclasses.field(default_factory=TreeConfig)
     source: dict[str, str | None] = dataclasses.field(default_factory=dict)
-    cost_model: CostModel | None = None  # None unless calibrated (build_engine.py, --recalibrate)
+    cost_model: CostModel | None = None  # None unless calibrated (clover build, --recalibrate)
     contract_version: int | None = None
     num_draft_kv_layers: int = 0
 
@@ -88,7 +88,7 @@ class EngineMeta:
             raise ConfigError(f"{where}: engine contract version {version} is not one this Clover runs "
                               f"({', '.join(map(str, SUPPORTED_CONTRACT_VERSIONS))}; version 2 for a drafter with "
                               "its own KV cache, 3 for gqa attention); rebuild the engine with "
-                              "`clover build` (export/build_engine.py)")
+                              "clover build")
         for key in ("backend", "files", "target_config", "limits", "num_kv_layers"):
             if key not in data:
                 raise ConfigError(f"{where}: missing {key!r}; rebuild the engine")
@@ -132,7 +132,7 @@ def read_engine_meta(engine_dir: str | Path) -> EngineMeta:
     engine_dir = Path(engine_dir)
     path = engine_dir / ENGINE_FILE
     data = read_json_file(path, f"{engine_dir}: not an engine directory (no {ENGINE_FILE}); "
-                                "build one with export/build_engine.py")
+                                "build one with clover build")
     return EngineMeta.from_dict(data, where=str(path))
 
 

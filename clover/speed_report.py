@@ -75,11 +75,12 @@ def reason(speed: PromptSpeed) -> str | None:
 
 
 def prompt_line(speed: PromptSpeed, method: str = "clover") -> str:
-    """``[clover 41.0 tok/s, 2.31 tokens/step, acceptance rate 0.41 | vanilla 35.2 tok/s | x1.16 | same text: yes]``"""
+    """``clover 41.0 tok/s, 2.31 tokens/step, acceptance rate 0.41 | vanilla 35.2 tok/s | x1.16 | same text: yes``
+    (no brackets: clover generate prints it after its ``[clover]`` prefix, which a bracket would double)"""
     same = "" if speed.same_text is None else f" | same text: {'yes' if speed.same_text else 'NO'}"
-    return (f"[{method} {speed.tokens_per_second:.1f} tok/s, {speed.tokens_per_step:.2f} tokens/step, acceptance "
+    return (f"{method} {speed.tokens_per_second:.1f} tok/s, {speed.tokens_per_step:.2f} tokens/step, acceptance "
             f"rate {speed.acceptance_rate:.2f} | vanilla {speed.vanilla_tokens_per_second:.1f} tok/s | "
-            f"x{speed.speedup:.2f}{same}]")
+            f"x{speed.speedup:.2f}{same}")
 
 
 def report_lines(rows: list[PromptSpeed], method: str = "clover") -> list[str]:
@@ -103,9 +104,9 @@ def engine_note(meta) -> str | None:
     untrained heads, or no cost model to fall back to vanilla steps where drafting does not pay."""
     if meta.drafter_config is not None and meta.source.get("drafter") is None:
         return ("this engine's draft heads are untrained (initialised from the target): speculative steps cost "
-                "more than they save; trained heads (--drafter for export/build_engine.py) give the speed-up")
+                "more than they save; trained heads (clover build --drafter) give the speed-up")
     if meta.cost_model is None:
         return ("this engine has no cost model, so every step drafts a full tree; rebuild it with calibration "
-                "(the default) or run export/build_engine.py --recalibrate, and decoding falls back to vanilla "
+                "(the default) or run clover build --output DIR --recalibrate, and decoding falls back to vanilla "
                 "steps where drafting does not pay")
     return None

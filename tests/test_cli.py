@@ -1,7 +1,9 @@
 """`clover generate` on a tiny random checkpoint with a tiny byte-level tokenizer."""
 
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -88,9 +90,9 @@ def test_prompt_streams_text(tmp_path, tiny_checkpoint, capsys):
     totals = next(i for i, line in enumerate(said) if line.startswith("[clover] clover: "))
     assert re.fullmatch(r"\[clover\] clover: \d+ tokens in [\d.]+ s \([\d.]+ tok/s, [\d.]+ tokens/step, acceptance "
                         r"rate [\d.]+: \d+ of \d+ draft tokens accepted\)", said[totals]), said
-    # then the comparison with vanilla that clover serve --demo prints too (clover.speed_report)
-    assert re.fullmatch(r"\[clover\] \[clover [\d.]+ tok/s, [\d.]+ tokens/step, acceptance rate [\d.]+ \| vanilla "
-                        r"[\d.]+ tok/s \| x[\d.]+ \| same text: yes\]", said[totals + 2]), said
+    # then the comparison with vanilla that clover serve --demo prints too (clover.speed_report), one prefix
+    assert re.fullmatch(r"\[clover\] clover [\d.]+ tok/s, [\d.]+ tokens/step, acceptance rate [\d.]+ \| vanilla "
+                        r"[\d.]+ tok/s \| x[\d.]+ \| same text: yes", said[totals + 2]), said
     assert "python -m clover.bench" in said[-1]
     assert main(["generate", "--target", str(tiny_checkpoint), "--prompt", "hello there", "--max-new-tokens", "20",
                  "--method", "clover", "--no-compare"]) == 0
@@ -136,6 +138,26 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("CLOVER_CACHE_DIR", str(tmp_path / "env"))
     assert demo.cache_root() == tmp_path / "env"
     assert demo.cache_root(tmp_path / "flag") == tmp_path / "flag"
+
+
+def test_engines_live_in_clover_home_never_in_site_packages(monkeypatch, tmp_path):
+    for name in ("CLOVER_HOME", "CLOVER_ENGINE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    checkout = Path(__file__).resolve().parents[1]
+    assert demo.source_checkout() == checkout and demo.default_engine_dir() == checkout / "engines" / "demo"
+    # an installed wheel: the package's parent is site-packages, with no pyproject.toml beside it
+    site_packages = tmp_path / "site-packages"
+    (site_packages / "clover").mkdir(parents=True)
+    monkeypatch.setattr(demo, "package_parent", lambda: site_packages)
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: tmp_path / "user"))
+    assert demo.source_checkout() is None
+    assert demo.default_engine_dir() == tmp_path / "user" / ".cache" / "clover" / "engines" / "demo"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert demo.clover_home() == tmp_path / "xdg" / "clover"
+    monkeypatch.setenv("CLOVER_HOME", str(tmp_path / "home"))
+    assert demo.default_engine_dir() == tmp_path / "home" / "engines" / "demo"
+    monkeypatch.setenv("CLOVER_ENGINE_DIR", str(tmp_path / "engine"))
+    assert demo.default_engine_dir() == tmp_path / "engine"
 
 
 def test_stop_strings_cut_text_and_tokens(tiny_checkpoint):
@@ -193,7 +215,7 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"clover {version('clover-decoding')}"
 
 
-def test_build_runs_export_build_engine_with_its_own_options(capsys):
+def test_build_runs_the_packaged_build_with_its_own_options(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["build", "--help"])
     assert exit_info.value.code == 0
@@ -205,6 +227,49 @@ def test_build_runs_export_build_engine_with_its_own_options(capsys):
     with pytest.raises(SystemExit) as exit_info:  # only build passes unknown options on
         main(["client", "--no-such-option"])
     assert exit_info.value.code == 2 and "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
+def test_the_checkouts_build_script_and_python_m_clover_export_run_the_same_build(tmp_path):
+    import subprocess
+    import sys
+
+    checkout = Path(__file__).resolve().parents[1]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    script = [sys.executable, str(checkout / "export" / "build_engine.py")]
+    for command, usage in ((script, "python export/build_engine.py"),
+                           ([sys.executable, "-m", "clover.export"], "python -m clover.export")):
+        # from elsewhere: the script finds its checkout's package by itself
+        cwd = tmp_path if command[1].endswith(".py") else checkout
+        done = subprocess.run([*command, "--target", str(tmp_path / "none"), "--output", str(tmp_path / "engine")],
+                              cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        said = done.stderr
+        assert done.returncode == 2 and said.startswith(f"{usage}: error: ") and "no config.json" in said, said
+
+
+@pytest.mark.parametrize("option, value", [("--temperature", "5"), ("--temperature", "-1"), ("--top-p", "0"),
+                                           ("--top-p", "1.5"), ("--top-k", "-1"), ("--top-k", str(2**31)),
+                                           ("--seed", "-1")])
+def test_client_and_generate_refuse_what_the_openai_endpoint_refuses(option, value, capsys):
+    for command in (["client", "--prompt", "hi"], ["generate", "--prompt", "hi"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, option, value])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"argument {option}: " in err and "must be" in err, err
+    frontend = pytest.importorskip("clover.serving.openai_frontend", reason="the OpenAI frontend needs pydantic")
+    field = option[2:].replace("-", "_")
+    body = {"model": "clover", "messages": [{"role": "user", "content": "hi"}], field: json.loads(value)}
+    with pytest.raises(frontend.OpenAIError, match=f"^{field} must be"):
+        frontend.parse_body(frontend.ChatCompletionRequest, json.dumps(body).encode())
+
+
+def test_client_sends_the_ends_of_the_ranges(capsys):
+    from clover.serving.server import free_port
+
+    url = f"127.0.0.1:{free_port()}"  # nothing listens: exit code 1 once the options are accepted (2: refused)
+    for option, value in (("--temperature", "2"), ("--temperature", "0"), ("--top-p", "1"), ("--top-k", "0"),
+                          ("--seed", str(2**64 - 1))):
+        assert main(["client", "--protocol", "http", "--url", url, option, value, "--max-tokens", "1"]) == 1
+        assert "nothing listens" in capsys.readouterr().err
 
 
 def _option_help(command: str, option: str, capsys) -> str:

@@ -159,7 +159,7 @@ def test_max_tokens_out_of_range_is_worded_the_same_whatever_its_size(tokenizer,
 def test_model_refusals_name_the_parameter():
     params = {"prompt": "messages", "max_tokens": "max_completion_tokens"}
     cases = {"max_new_tokens must be >= 1, got 0": "max_completion_tokens",
-             "temperature must be >= 0 (got temperature=-1, top_p=1)": "temperature",
+             "temperature must be between 0 and 2 (got temperature=-1, top_p=1)": "temperature",
              "top_p must be in (0, 1] (got temperature=0, top_p=2)": "top_p",
              "the prompt is empty": "messages", "the prompt is 300 tokens and does not fit": "messages"}
     for message, param in cases.items():
@@ -222,16 +222,16 @@ def _post(port: int, path: str, body: dict):
     return conn.getresponse()
 
 
-def test_shutdown_ends_open_requests_with_a_final_chunk_and_done(tokenizer, capsys):
-    """SIGTERM with answers that would never end: after the drain each ends with finish reason
-    ``cancelled`` (a stream with its final chunk, the usage chunk and ``data: [DONE]``), uvicorn cancels
-    nothing (no traceback), and the frontend says one line."""
+def _stop_with_two_open_requests(tokenizer, drain_s: float, signals: int) -> dict:
+    """A frontend on EndlessGateway with an open stream and an open whole answer, stopped by ``signals``
+    stop signals (0.3 s apart, as uvicorn's signal handler calls them): what each client got, how long the
+    stop took, the app, uvicorn's errors, whether the server thread still runs."""
     import argparse
     import logging
 
     from clover.serving.openai_frontend import _server
 
-    drain_s, port = 1.0, free_port()
+    port = free_port()
     app = create_app(FrontendSettings("unused:1", CONTEXT, drain_s=drain_s), tokenizer, gateway=EndlessGateway)
     server = _server(app, argparse.Namespace(host="127.0.0.1", port=port, log_level="warning", drain_timeout=drain_s))
     errors: list = []
@@ -240,7 +240,7 @@ def test_shutdown_ends_open_requests_with_a_final_chunk_and_done(tokenizer, caps
     logging.getLogger("uvicorn.error").addHandler(handler)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    results: dict = {}
+    results: dict = {"app": app, "errors": errors}
     try:
         _wait_until(lambda: server.started)
         app.state.gateway.shutdown = app.state.shutdown  # the gateway exists from startup on
@@ -259,14 +259,21 @@ def test_shutdown_ends_open_requests_with_a_final_chunk_and_done(tokenizer, caps
             client.start()
         _wait_until(lambda: app.state.shutdown.open_requests == 2)
         _wait_until(lambda: app.state.gateway.chunks["before"] >= 4)  # both have tokens to show
-        server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+        for number in range(signals):
+            time.sleep(0.3 if number else 0)
+            server.handle_exit(signal.SIGTERM if number == 0 else signal.SIGINT, None)  # uvicorn's signal handler
         for client in clients:
             client.join(30)
         thread.join(30)
+        results["running"] = thread.is_alive()
     finally:
         server.should_exit = True
         thread.join(30)
         logging.getLogger("uvicorn.error").removeHandler(handler)
+    return results
+
+
+def _ended_with_a_final_chunk_and_done(results: dict) -> None:
     events = results["stream"]
     assert events[-1] == "[DONE]", events[-3:]
     final, usage = events[-3], events[-2]
@@ -275,13 +282,34 @@ def test_shutdown_ends_open_requests_with_a_final_chunk_and_done(tokenizer, caps
     assert content and set(content) == {"x"} and usage["usage"]["completion_tokens"] == len(content)
     status, body = results["whole"]
     assert status == 200 and body["choices"][0]["finish_reason"] == "cancelled" and body["choices"][0]["text"]
-    # by events, not wall time: the answers ran on through the drain (not cut at the signal), the drain's expiry
-    # ended them (finish reason cancelled, above), and uvicorn's timeout after it cancelled nothing (no errors)
-    assert app.state.shutdown.expired.is_set() and app.state.gateway.chunks["draining"] > 0, app.state.gateway.chunks
-    assert not thread.is_alive() and app.state.gateway.closed == 2  # both Triton requests were closed
-    assert not errors, [record.getMessage() for record in errors]  # e.g. "Cancel 2 running task(s)"
+    assert not results["running"] and results["app"].state.gateway.closed == 2  # both Triton requests were closed
+    assert not results["errors"], [record.getMessage() for record in results["errors"]]  # "Cancel 2 running task(s)"
+
+
+def test_shutdown_ends_open_requests_with_a_final_chunk_and_done(tokenizer, capsys):
+    """SIGTERM with answers that would never end: after the drain each ends with finish reason
+    ``cancelled`` (a stream with its final chunk, the usage chunk and ``data: [DONE]``), uvicorn cancels
+    nothing (no traceback), and the frontend says one line."""
+    results = _stop_with_two_open_requests(tokenizer, 1.0, signals=1)
+    _ended_with_a_final_chunk_and_done(results)
+    # by events, not wall time: the answers ran on through the drain (not cut at the signal) and the drain's
+    # expiry ended them (finish reason cancelled), not a forced stop
+    shutdown, chunks = results["app"].state.shutdown, results["app"].state.gateway.chunks
+    assert shutdown.expired.is_set() and chunks["draining"] > 0 and not shutdown.forced, chunks
     said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert said == ["[clover] OpenAI frontend: shutting down; 2 open request(s) end within 1 s"], said
+
+
+def test_a_second_stop_signal_ends_open_requests_at_once_still_with_done(tokenizer, capsys):
+    """A second signal (the second Ctrl-C that clover serve forwards) ends the open requests now instead of
+    after the drain, still each with its final chunk and ``data: [DONE]``; the exit is marked forced
+    (the frontend then exits 1)."""
+    results = _stop_with_two_open_requests(tokenizer, drain_s=60.0, signals=2)
+    _ended_with_a_final_chunk_and_done(results)
+    # ended by the second signal: with the 60 s drain running on, the clients (joined for 30 s) would have no answer
+    assert results["app"].state.shutdown.forced
+    said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert said[-1] == "[clover] OpenAI frontend: stopping at once; 2 open request(s) end now", said
 
 
 # -- a real clover serve ---------------------------------------------------------------------------

@@ -196,7 +196,7 @@ def test_each_bad_input_gets_its_own_error_and_the_server_keeps_serving(server, 
         ({"text_input": "hi", "max_tokens": -3}, "max_new_tokens must be >= 1, got -3"),
         ({"text_input": "hi", "max_tokens": 100000}, "larger than the engine's context"),
         ({"text_input": "x" * 400, "max_tokens": 5}, "the prompt is"),
-        ({"text_input": "hi", "max_tokens": 5, "temperature": -1.0}, "temperature must be >= 0"),
+        ({"text_input": "hi", "max_tokens": 5, "temperature": -1.0}, "temperature must be between 0 and 2"),
         ({"text_input": "hi", "max_tokens": 5, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"text_input": "hi", "max_tokens": 5, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"text_input": "hi"}, "missing required input.*max_tokens"),
@@ -283,7 +283,7 @@ def test_bad_engine_dir_fails_the_model_load_with_a_clear_message(server, tmp_pa
         assert not client.is_model_ready("clover_bad") and client.is_model_ready("clover")
     finally:
         client.close()
-    assert "build it with python export/build_engine.py" in server.log_tail(20000)
+    assert "build it with clover build" in server.log_tail(20000)
 
 
 def test_clover2_engine_serves_greedy_output(server, reference, tiny_engine_dir, clover2_engine_path):

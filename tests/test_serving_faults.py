@@ -336,6 +336,40 @@ def test_an_unknown_exit_code_is_reported_as_a_failure(capsys):
     assert _report_stop(-9, None, io.StringIO()) == 1 and _report_stop(0, None, io.StringIO()) == 0
 
 
+class _Stopping:
+    """Stands in for TritonServer and FrontendProcess in clover serve's stop: records how it was stopped."""
+
+    def __init__(self, code: int, forced: bool = False) -> None:
+        self.code, self.forced, self.killed = code, forced, False
+
+    def request_drain(self) -> None:
+        pass
+
+    def stop(self, timeout_s: float | None = None) -> int:
+        return self.code
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def test_the_first_ctrl_c_says_how_to_stop_at_once_and_a_forced_stop_exits_non_zero(capsys):
+    import io
+
+    from clover.serving.launch import _drain_and_stop
+
+    out = io.StringIO()
+    server, frontend = _Stopping(0), _Stopping(0)
+    assert _drain_and_stop(server, frontend, 10.0, None, out) == 0 and not server.killed  # the full drain
+    assert "requests in flight get 10 s; Ctrl-C again stops at once" in out.getvalue()
+    server, frontend = _Stopping(-9), _Stopping(1, forced=True)  # a second Ctrl-C while the frontend drained
+    out = io.StringIO()
+    assert _drain_and_stop(server, frontend, 10.0, None, out) == 1 and server.killed  # no second drain
+    assert "stopped at once (second Ctrl-C)" in out.getvalue() and "clover: error: stopped before the drain ended" \
+        in capsys.readouterr().err
+    server = _Stopping(-9, forced=True)  # no frontend: the second Ctrl-C came during tritonserver's own stop
+    assert _drain_and_stop(server, None, 10.0, None, io.StringIO()) == 1
+
+
 def test_dead_stubs_reports_a_killed_stub_and_commands_restrict_admin_apis(tmp_path):
     region = f"{SHM_PREFIX}clover_test_dead_{os.getpid()}"
     server = TritonServer(tmp_path, 0, 0, 0, install=_fake_install(tmp_path, region), admin_key="k3y")

@@ -16,7 +16,7 @@ from clover.decode import GenerationRequest, SpeculativeDecoder, cut_at_stop
 from clover.serving.batcher import InflightBatcher, TextStream
 from clover.serving.protocol import (INPUTS, PARAMETERS, RequestError, RequestLimits, model_parameters, parse_request,
                                      render_model_config)
-from clover.serving.repository import source_repository, write_repository
+from clover.serving.repository import TEMPLATE_MODEL_PY, write_repository
 from tests.serving_support import PROMPTS, long_answer_prompt, reference, tiny_engine_dir  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,9 +35,12 @@ def test_committed_config_is_the_rendered_one():
     assert "decoupled: true" in committed
 
 
-def test_model_py_is_thin():
-    code = (REPO / "triton_repo" / "clover" / "1" / "model.py").read_text()
-    assert len(code.splitlines()) < 25 and "CloverTritonModel" in code
+def test_model_py_is_thin_and_the_checkout_serves_the_package_template():
+    code = TEMPLATE_MODEL_PY.read_text()
+    assert len(code.splitlines()) < 25 and "from clover.serving.triton_model import CloverTritonModel" in code
+    # tritonserver --model-repository triton_repo (a checkout) runs the same entry point as clover serve
+    assert (REPO / "triton_repo" / "clover" / "1" / "model.py").read_text() == code, \
+        "copy clover/serving/triton_template/model.py to triton_repo/clover/1/model.py"
 
 
 def test_rendered_parameters_and_errors(tmp_path):
@@ -55,7 +58,7 @@ def test_write_repository_points_models_at_engines(tmp_path):
     config = (repo / "clover" / "config.pbtxt").read_text()
     assert f'string_value: "{(Path.cwd() / "rel" / "engine").resolve()}"' in config
     assert 'string_value: "vanilla"' in (repo / "clover_vanilla" / "config.pbtxt").read_text()
-    assert (repo / "clover" / "1" / "model.py").read_text() == (source_repository() / "clover/1/model.py").read_text()
+    assert (repo / "clover" / "1" / "model.py").read_text() == TEMPLATE_MODEL_PY.read_text()
     with pytest.raises(ConfigError, match="not empty"):
         write_repository(tmp_path / "repo")
 
@@ -111,11 +114,12 @@ def test_parse_request_reads_every_input():
     ({"max_tokens": np.array([2.5], np.float32)}, "must be an integer"),
     ({"max_tokens": np.array([[1, 2]], np.int32)}, "exactly one value"),
     ({"text_input": np.array([b"x" * 64], dtype=object)}, "the prompt is 64 tokens"),
-    ({"temperature": np.array([-0.5], np.float32)}, "temperature must be >= 0"),
+    ({"temperature": np.array([-0.5], np.float32)}, "temperature must be between 0 and 2"),
+    ({"temperature": np.array([5.0], np.float32)}, "temperature must be between 0 and 2"),  # as the OpenAI endpoint
     ({"temperature": np.array([np.nan], np.float32)}, "finite"),
     ({"top_p": np.array([0.0], np.float32)}, r"top_p must be in \(0, 1\]"),
     ({"top_p": np.array([1.5], np.float32)}, r"top_p must be in \(0, 1\]"),
-    ({"top_k": np.array([-1], np.int32)}, "top_k must be >= 0"),
+    ({"top_k": np.array([-1], np.int32)}, "top_k must be between 0 and"),
     ({"end_id": np.array([999], np.int32)}, "outside the vocabulary"),
     ({"stream": np.array([1], np.int32)}, "must be a boolean"),
     ({"stop_words": np.array([b"\xff"], dtype=object)}, "stop_words"),
@@ -675,7 +679,7 @@ def test_serve_without_an_engine_says_how_to_build_one(tmp_path, capsys):
 
     assert main(["serve", "--engine", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
-    assert "no engine at" in err and "export/build_engine.py --output" in err
+    assert "no engine at" in err and "clover build --output" in err
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -689,6 +693,7 @@ def test_client_without_a_server_says_to_start_one(protocol, capsys):
     assert main(["client", "--protocol", protocol, "--url", url, "--prompt", "hi", "--max-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert f"nothing listens at {url}; start the server first" in err and "clover serve" in err, err
+    assert len(err.splitlines()) == 1, err  # not the transport's raw error first
 
 
 def test_serve_and_client_help(capsys):

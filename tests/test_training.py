@@ -1145,3 +1145,16 @@ def test_paired_tau_counts_per_question_wins_and_an_exact_sign_test(tmp_path):
     assert r["sign_test_p"] == pytest.approx(2 / 2 ** 10)  # two-sided: 10 of 10 one way, by chance
     with pytest.raises(SystemExit, match="no such rows file"):
         paired_tau.question_tau(str(tmp_path / "a"), 8)
+
+
+def test_every_train_option_has_help(capsys):
+    import re
+
+    with pytest.raises(SystemExit):
+        train_mod.parse_args(["--help"])
+    options = capsys.readouterr().out.split("options:\n", 1)[1]
+    # one block per option: its invocation, then its help on the same line (after 2+ spaces) or the next ones
+    blocks = re.split(r"\n(?=  -)", options.strip("\n"))
+    bare = [block.split()[0] for block in blocks if not re.search(r"\S {2,}\S|\n\s+\S", block.strip())]
+    assert not bare, f"train.py options without help: {bare}"
+    assert len(blocks) >= 50  # all of them were read

@@ -20,7 +20,7 @@ step prompts
 [ -f "$OUT/prompts/train.jsonl" ] || python training/data.py --output "$OUT/prompts"
 step engines
 [ -f engines/demo-vanilla/engine.json ] || \
-  python export/build_engine.py --target demo --drafter none --max-seq 1024 --output engines/demo-vanilla
+  clover build --target demo --drafter none --max-seq 1024 --output engines/demo-vanilla
 [ -d engines/demo-features ] || python training/hidden_cache.py --make-feature-engine engines/demo-features --target demo
 for split in eval train; do
   limit=$EVAL_PROMPTS; [ "$split" = train ] && limit=$TRAIN_PROMPTS

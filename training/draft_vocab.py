@@ -10,7 +10,7 @@ most frequent ones (int64, most frequent first, with their counts) as
 ``draft_vocab.safetensors`` into the heads directory and sets the heads'
 ``draft_vocab_size`` in ``config.json``. Engines built from the heads then
 score only those V' rows of the LM head in every draft step (V' << V cuts the
-draft step's LM-head cost in proportion); ``build_engine.py --draft-vocab N``
+draft step's LM-head cost in proportion); ``clover build --draft-vocab N``
 picks another prefix of the ranking. Only the proposals change: verification
 uses the target's full LM head, so decoding stays lossless.
 
@@ -179,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "vocabulary as the default and only stores the ranking)")
     p.add_argument("--keep", type=int, default=None,
                    help="ids stored, most frequent first (default: --size, or every token seen for --size 0); "
-                        "a larger ranking lets build_engine.py --draft-vocab pick up to this many")
+                        "a larger ranking lets clover build --draft-vocab pick up to this many")
     p.add_argument("--count-prompts", action="store_true",
                    help="count prompt tokens too (default: only the answers, what the target writes)")
     p.add_argument("--eval", action="append", default=[],

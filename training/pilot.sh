@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."  # the commands below run from the repository root
 date
 mkdir -p $W && (apt-get update -qq && bash training/install_sources.sh) > $W/install.log 2>&1 || echo "sources install failed (see $W/install.log)"
 python training/data.py --output $W/data/prompts
-[ -f engines/demo-vanilla/engine.json ] || python export/build_engine.py --target demo --drafter none --max-seq 1024 --output engines/demo-vanilla
+[ -f engines/demo-vanilla/engine.json ] || clover build --target demo --drafter none --max-seq 1024 --output engines/demo-vanilla
 python training/distill.py --prompts $W/data/prompts/eval.jsonl --engine engines/demo-vanilla --output $W/data/distill/eval.jsonl --limit 48 --batch-size 16
 date
 python training/distill.py --prompts $W/data/prompts/train.jsonl --engine engines/demo-vanilla --output $W/data/distill/train.jsonl --limit 240 --batch-size 16

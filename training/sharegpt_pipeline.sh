@@ -52,7 +52,7 @@ fi
 if [[ $STAGE == distill ]]; then
   # (a) of issue 12: the target's own answers to the ShareGPT training prompts (what greedy decoding
   # produces, hence what the heads must predict on MT-bench); resumable, extend with a larger DISTILL_PROMPTS
-  [[ -d engines/demo ]] || python export/build_engine.py --target demo --output engines/demo
+  [[ -d engines/demo ]] || clover build --target demo --output engines/demo
   stamp "distill: $DISTILL_PROMPTS ShareGPT prompts"
   python training/distill.py --prompts $SG/prompts_train.jsonl --output $SG/distill_train.jsonl --engine engines/demo \
     --limit "$DISTILL_PROMPTS" --batch-size 16 --max-new-tokens 256

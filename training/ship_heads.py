@@ -122,7 +122,7 @@ def model_card(name: str, run: Path, summary: dict, data: dict | None, report: d
         "Use them:", "", "```bash",
         f"clover generate --prompt \"Explain speculative decoding.\" --method {'medusa' if method == 'medusa' else 'clover'}"
         f" --drafter demo-{name}",
-        f"python export/build_engine.py --target demo --drafter demo-{name} --output engines/demo-{name}",
+        f"clover build --target demo --drafter demo-{name} --output engines/demo-{name}",
         "```", "",
         f"Target fingerprint: `{summary['target_fingerprint']}` (loading them on another target fails).", "",
         "## Training", "",

@@ -664,12 +664,63 @@ def _add_head_options(parser: argparse.ArgumentParser, fields: dict) -> None:
                              "online or a .jsonl --cache; every backend and engine runs such heads")
 
 
+# the help of the numeric options (each also shows its default)
+NUMBER_OPTIONS_HELP = {
+    "num_heads": "draft heads: the deepest a draft tree goes (head i proposes the token i+1 places ahead)",
+    "decoder_heads": "attention heads of the Attention Decoder (default: the target's; 1 where the hidden size does "
+                     "not divide)",
+    "save_every": "steps between checkpoints (also --save-minutes); a rerun resumes from the last one",
+    "log_every": "steps between lines of the training log (train_log.jsonl)",
+    "epochs": "passes over the training data",
+    "max_tokens": "assistant tokens to train on in all, the plan's length (default: every token of every epoch)",
+    "batch_tokens": "padded tokens per step: the global batch, over all torchrun processes",
+    "bucket_size": "conversations sorted by length together before batching (less padding; the order stays random)",
+    "row_chunk": "roots per chunk of the LM-head loss: bounds the memory of the vocabulary-sized logits",
+    "seed": "random seed: the heads' initialisation and the data order",
+    "warmup_steps": "steps of linear learning-rate warmup (default: 3%% of the steps, at least 1, at most 100)",
+    "threads": "CPU threads of torch (default: torch's choice)",
+    "topk_tokens": "K of the top-K distillation loss (--topk-weight)",
+    "lr": "peak learning rate of AdamW, reached after the warmup, then a cosine decay to lr * --min-lr-ratio",
+    "beta1": "AdamW's beta1",
+    "beta2": "AdamW's beta2",
+    "weight_decay": "AdamW's weight decay",
+    "min_lr_ratio": "the learning rate at the plan's last step, as a fraction of --lr",
+    "grad_clip": "clip the gradient's global norm to this",
+    "head_decay": "loss weight of head i is head_decay ** i: the deeper heads count less",
+    "init_noise_std": "standard deviation of the noise the fresh heads are initialised with",
+    "regression_weight": "Clover-2's SmoothL1 regression of each head's feature onto the target's hidden state, "
+                         "weighted against the cross-entropy's 1 (0: off)",
+    "topk_weight": "HASS top-K distillation beside the cross-entropy, weighted against its 1 (0: off)",
+    "save_minutes": "also checkpoint when this many minutes have passed since the last checkpoint",
+}
+
+
+def _add_number_options(parser: argparse.ArgumentParser, fields: dict) -> None:
+    """--num-heads, --lr, ...: one option per numeric TrainConfig field of NUMBER_OPTIONS_HELP."""
+    for name in ("num_heads", "decoder_heads", "save_every", "log_every", "epochs", "max_tokens", "batch_tokens",
+                 "bucket_size", "row_chunk", "seed", "warmup_steps", "threads", "topk_tokens"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=fields[name].default,
+                            help=_number_help(name, fields[name].default))
+    for name in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip", "head_decay", "init_noise_std",
+                 "regression_weight", "topk_weight", "save_minutes"):
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=fields[name].default,
+                            help=_number_help(name, fields[name].default))
+
+
+def _number_help(name: str, default) -> str:
+    return NUMBER_OPTIONS_HELP[name] + ("" if default is None else " (default %(default)s)")
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
+    pre.add_argument("--config", metavar="JSON",
+                     help="a JSON file of option values (names as in TrainConfig, e.g. \"batch_tokens\"): the "
+                          "defaults, which the command line overrides; it may give the required options too")
     known, _ = pre.parse_known_args(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[pre])
-    parser.add_argument("--method", choices=DRAFTER_METHODS, required=True)
+    parser.add_argument("--method", choices=DRAFTER_METHODS, required=True,
+                        help="the heads to train: clover (the paper's), clover2 (Clover-2), medusa, or an ablation "
+                             "of Clover (docs/drafter.md)")
     parser.add_argument("--cache", required=True,
                         help="hidden-state cache directory (train split); several separated by commas; a distilled "
                              ".jsonl computes the hidden states on the fly instead (no disk); with --features online "
@@ -677,12 +728,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--output", required=True, help="run directory: checkpoints, then the final heads")
     parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo' (only its LM head and shape are used)")
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    for name in ("num_heads", "decoder_heads", "save_every", "log_every", "epochs", "max_tokens", "batch_tokens",
-                 "bucket_size", "row_chunk", "seed", "warmup_steps", "threads", "topk_tokens"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=fields[name].default)
-    for name in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip", "head_decay", "init_noise_std",
-                 "regression_weight", "topk_weight", "save_minutes"):
-        parser.add_argument("--" + name.replace("_", "-"), type=float, default=fields[name].default)
+    _add_number_options(parser, fields)
     parser.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                         help="pause after this step: checkpoint there and exit without the final heads (e.g. to "
                              "compare methods at equal data, or to end a session). The learning rate still follows "
@@ -716,7 +762,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                         help="recompute the Augmenting Block in the backward pass instead of storing its "
                              "activations (less memory, one more block forward)")
     _add_head_options(parser, fields)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (the log lines stay)")
     if known.config:
         defaults = json.loads(Path(known.config).read_text())
         unknown = sorted(set(defaults) - set(fields))

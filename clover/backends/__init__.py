@@ -20,7 +20,7 @@ def load_engine(engine_dir: str | Path, backend: str = "auto", threads: int | No
     engine_dir = Path(engine_dir)
     if not engine_dir.is_dir():
         raise ConfigError(f"engine directory {engine_dir} does not exist; build it with "
-                          f"python export/build_engine.py --output {engine_dir}")
+                          f"clover build --output {engine_dir}")
     if backend not in ("auto", *BACKENDS):
         raise ConfigError(f"backend {backend!r}: choose auto, {' or '.join(BACKENDS)}")
     meta = read_engine_meta(engine_dir)

@@ -32,7 +32,7 @@ from clover.engine_dir import BACKENDS, TORCH_DTYPES, EngineLimits, EngineMeta, 
 
 
 def _default_progress(message: str) -> None:
-    print(f"[build_engine] {message}", flush=True)
+    print(f"[clover] {message}", flush=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,7 +408,7 @@ def calibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None, 
 
     warn = busy_machine_warning()
     if warn:
-        print(f"[build_engine] warning: {warn}", file=sys.stderr, flush=True)
+        print(f"[clover] warning: {warn}", file=sys.stderr, flush=True)
     engine = load_engine(engine_dir)
     meta, limits = engine.meta, engine.meta.limits
     max_tokens = max_tokens or min(256, limits.max_batch * (1 + limits.max_tree))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from clover.config import ConfigError
-from clover.demo import checkout_root, default_engine_dir
+from clover.demo import default_engine_dir
 from clover.serving.repository import MODEL_NAME, write_repository
 from clover.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, ServerError, TritonServer, free_port
 
@@ -47,10 +47,10 @@ DEMO_PROMPTS = (
 
 def resolve_serve_engine(engine: str | Path | None, backend: str = "auto") -> Path:
     """The engine directory to serve; ConfigError with the build command if there is none."""
-    engine_dir = Path(engine) if engine is not None else default_engine_dir(checkout_root())
+    engine_dir = Path(engine) if engine is not None else default_engine_dir()
     if backend != "torch" and not (engine_dir / "engine.json").exists():
-        raise ConfigError(f"no engine at {engine_dir}; build it with: python export/build_engine.py --output "
-                          f"{engine_dir}   (or pass --engine DIR)")
+        raise ConfigError(f"no engine at {engine_dir}; build it with: clover build --output {engine_dir}   "
+                          "(or pass --engine DIR)")
     return engine_dir
 
 
@@ -122,17 +122,7 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                     _start_openai(frontend, startup_timeout_s, out)
                 return _wait_for_exit(server, frontend, out)
             except KeyboardInterrupt:
-                print(f"\n[clover] stopping {'the OpenAI frontend and ' if frontend else ''}tritonserver (requests in "
-                      f"flight get {drain_s:g} s) ...", file=out, flush=True)
-                if server is not None:
-                    # first: the model ends the requests in flight at the drain deadline, each with its final
-                    # response, which the frontend still forwards (its open streams end with data: [DONE])
-                    server.request_drain()
-                if frontend is not None:
-                    print(f"[clover] stopped the OpenAI frontend (exit code {_shown(frontend.stop())})", file=out,
-                          flush=True)
-                code = server.stop() if server is not None else 0
-                return _report_stop(code, log_file, out)
+                return _drain_and_stop(server, frontend, drain_s, log_file, out)
     except ServerError as exc:
         print(f"clover: error: {exc}", file=sys.stderr)
         return 1
@@ -142,6 +132,29 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _drain_and_stop(server: TritonServer | None, frontend, drain_s: float, log_file: Path | None,
+                    out: TextIO) -> int:
+    """The first Ctrl-C (or SIGTERM): the drain, then the stop; a second Ctrl-C meanwhile stops at once
+    (exit code 1: requests were cut short, though each still ended with its final response)."""
+    print(f"\n[clover] stopping {'the OpenAI frontend and ' if frontend else ''}tritonserver (requests in "
+          f"flight get {drain_s:g} s; Ctrl-C again stops at once) ...", file=out, flush=True)
+    if server is not None:
+        # first: the model ends the requests in flight at the drain deadline, each with its final
+        # response, which the frontend still forwards (its open streams end with data: [DONE])
+        server.request_drain()
+    if frontend is not None:
+        print(f"[clover] stopped the OpenAI frontend (exit code {_shown(frontend.stop())})", file=out, flush=True)
+    forced = frontend is not None and frontend.forced
+    if forced and server is not None:
+        server.kill()  # asked to stop at once: the frontend's streams have ended, tritonserver gets no drain
+    code = server.stop() if server is not None else 0
+    if forced or (server is not None and server.forced):
+        print("[clover] stopped at once (second Ctrl-C): requests in flight were cut short", file=out, flush=True)
+        print("clover: error: stopped before the drain ended (exit code 1)", file=sys.stderr, flush=True)
+        return 1
+    return _report_stop(code, log_file, out)
 
 
 def _report_stop(code: int | None, log_file: Path | None, out: TextIO) -> int:

@@ -44,16 +44,17 @@ from typing import AsyncIterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clover.client import _as_array, _chunk, request_fields, tokens_per_step  # the model's tensor mapping
+from clover.config import sampling_range_error
 from clover.prompts import encode_prompt
 
 MODEL_NAME = "clover"
 DEFAULT_PORT = 9000
-_INT32_MAX = 2**31 - 1
-_UINT64_MAX = 2**64 - 1
 # the finish reason of a request that shutdown ended (the model's drain uses the same)
 CANCELLED = "cancelled"
 # seconds uvicorn waits beyond the drain for the requests to send their last chunk, before it cancels them
 _SHUTDOWN_MARGIN_S = 5.0
+# at a forced stop (a second Ctrl-C), seconds the frontend has to end its streams with [DONE] before SIGKILL
+FORCED_STOP_S = 5.0
 
 
 class OpenAIError(Exception):
@@ -159,10 +160,6 @@ def _param_path(loc: tuple) -> str:
     return path
 
 
-# OpenAI's ranges (top_k's and seed's: what the model's INT32 and UINT64 inputs hold); max_tokens: _check_max_tokens
-_RANGES = {"temperature": (0, 2), "top_k": (0, _INT32_MAX), "seed": (0, _UINT64_MAX)}
-
-
 def _out_of_range(param: str, value, low, high, note: str = "") -> OpenAIError:
     return OpenAIError(400, f"{param} must be between {low} and {high}{note} (got {_shown(value)})", param)
 
@@ -173,12 +170,12 @@ def _shown(value) -> str:
 
 
 def _check_ranges(body: _GenerationFields) -> None:
-    for param, (low, high) in _RANGES.items():
+    """The ranges every interface shares (clover.config.SAMPLING_RANGES); max_tokens: _check_max_tokens."""
+    for param in ("temperature", "top_p", "top_k", "seed"):
         value = getattr(body, param)
-        if value is not None and not low <= value <= high:  # NaN too
-            raise _out_of_range(param, value, low, high)
-    if body.top_p is not None and not 0 < body.top_p <= 1:
-        raise OpenAIError(400, f"top_p must be in (0, 1] (got {_shown(body.top_p)})", "top_p")
+        problem = sampling_range_error(param, value) if value is not None else None
+        if problem:
+            raise OpenAIError(400, f"{problem} (got {_shown(value)})", param)
 
 
 def _check_max_tokens(param: str, value: int, context: int) -> None:
@@ -453,7 +450,9 @@ async def stream_events(first, chunks: AsyncIterator, request: TritonRequest, sh
 
 class Shutdown:
     """The frontend's drain: :meth:`request` (from a signal handler) starts it; ``drain_s`` later
-    :attr:`expired` is set and the requests still open end themselves (:func:`until_shutdown`)."""
+    :attr:`expired` is set and the requests still open end themselves (:func:`until_shutdown`).
+    :meth:`force` (a second stop signal) sets it at once: the open requests still end properly, each stream
+    with its final chunk and ``data: [DONE]``, and the process exits non-zero (:attr:`forced`)."""
 
     def __init__(self, drain_s: float) -> None:
         self.drain_s = drain_s
@@ -461,6 +460,7 @@ class Shutdown:
         self.loop: asyncio.AbstractEventLoop | None = None  # set at startup
         self.expired = asyncio.Event()
         self.started = False
+        self.forced = False
 
     def request(self) -> None:
         """Start the drain; safe to call from a signal handler or another thread."""
@@ -475,6 +475,20 @@ class Shutdown:
         print(f"[clover] OpenAI frontend: shutting down; {self.open_requests} open request(s) end within "
               f"{self.drain_s:g} s", file=sys.stderr, flush=True)
         self.loop.call_later(self.drain_s, self.expired.set)
+
+    def force(self) -> None:
+        """End the open requests now; safe to call from a signal handler or another thread."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._end_now)
+
+    def _end_now(self) -> None:
+        if self.forced:
+            return
+        self._begin()
+        self.forced = True
+        print(f"[clover] OpenAI frontend: stopping at once; {self.open_requests} open request(s) end now",
+              file=sys.stderr, flush=True)
+        self.expired.set()
 
 
 async def until_shutdown(chunks: AsyncIterator, shutdown: Shutdown) -> AsyncIterator:
@@ -679,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: None if serving.started else sys.exit(0))
     serving.run()
-    return 0
+    return 1 if app.state.shutdown.forced else 0  # a forced stop cut requests short: not a clean exit
 
 
 def _server(app, args):
@@ -689,6 +703,9 @@ def _server(app, args):
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:  # a second stop signal: not uvicorn's force_exit, which would cut the streams
+                app.state.shutdown.force()
+                return
             super().handle_exit(sig, frame)
             app.state.shutdown.request()
 
@@ -707,6 +724,7 @@ class FrontendProcess:
         self.log_file = Path(log_file) if log_file is not None else None
         self.process: subprocess.Popen | None = None
         self._log_handle = None
+        self.forced = False  # stop() was cut short by a second Ctrl-C
 
     @property
     def url(self) -> str:
@@ -719,14 +737,14 @@ class FrontendProcess:
                 "--drain-timeout", str(self.drain_s)]
 
     def start(self) -> "FrontendProcess":
-        from clover.demo import checkout_root
+        from clover.demo import package_parent
         from clover.serving.server import ServerError
 
         for package in ("fastapi", "uvicorn"):
             if not _importable(package):
                 raise ServerError(f"--openai-port needs {package}: pip install -e '.[serve]'")
         env = os.environ.copy()
-        root = str(checkout_root())
+        root = str(package_parent())
         env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else root
         if self.log_file is not None:
             self._log_handle = open(self.log_file, "ab")
@@ -761,7 +779,9 @@ class FrontendProcess:
 
     def stop(self, timeout_s: float | None = None) -> int | None:
         """SIGTERM (the drain: open requests end within ``drain_s``), SIGKILL by PID after ``timeout_s``
-        (default: the drain and uvicorn's margin, plus 10 s) or at a second Ctrl-C; returns the exit code."""
+        (default: the drain and uvicorn's margin, plus 10 s); at a second Ctrl-C a second SIGTERM (the open
+        requests end now, streams with ``[DONE]``: :attr:`forced`), SIGKILL if that takes more than
+        FORCED_STOP_S. Returns the exit code."""
         if self.process is None:
             return None
         timeout_s = self.drain_s + _SHUTDOWN_MARGIN_S + 10 if timeout_s is None else timeout_s
@@ -772,8 +792,10 @@ class FrontendProcess:
                 self.process.send_signal(signal.SIGTERM)
                 try:
                     exited = reap(self.process, timeout_s)
-                except KeyboardInterrupt:
-                    exited = False
+                except KeyboardInterrupt:  # a second Ctrl-C: the frontend ends its open requests now
+                    self.forced = True
+                    self.process.send_signal(signal.SIGTERM)
+                    exited = reap(self.process, FORCED_STOP_S)
                 if not exited:
                     self.process.kill()
                     reap(self.process, KILL_WAIT_S)

@@ -46,7 +46,7 @@ INPUTS = (
     TensorSpec("text_input", "STRING", (1,), doc="the prompt, UTF-8 (the chat template is applied by default)"),
     TensorSpec("max_tokens", "INT32", (1,), doc="new tokens at most, 1 .. the engine's context"),
     TensorSpec("stream", "BOOL", (1,), True, "true: one response per decode step with the new text"),
-    TensorSpec("temperature", "FP32", (1,), True, "0 (default) is greedy; > 0 samples"),
+    TensorSpec("temperature", "FP32", (1,), True, "0 (default) is greedy; up to 2 samples"),
     TensorSpec("top_k", "INT32", (1,), True, "sample from the k most likely tokens (0: off)"),
     TensorSpec("top_p", "FP32", (1,), True, "nucleus mass in (0, 1]"),
     TensorSpec("end_id", "INT32", (1,), True, "stop token id (default: the tokenizer's EOS)"),
@@ -81,7 +81,7 @@ PARAMETERS = {
     "max_batch": ("0", "sequences decoded together at most; 0: the engine's max_batch"),
     "tree_budget": ("", "draft tree nodes per step (default: the engine's tree defaults); with adaptive, the "
                         "largest budget a step may use"),
-    "adaptive": ("auto", "auto: like true when the engine has a calibrated cost model (export/build_engine.py "
+    "adaptive": ("auto", "auto: like true when the engine has a calibrated cost model (clover build "
                          "stores one by default), else a fixed budget; true: choose each step's tree budget from "
                          "the number of live sequences with that cost model, 0 (a vanilla step) where speculation "
                          "does not pay (refused at load without one); false: the fixed tree_budget every step"),

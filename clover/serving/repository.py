@@ -1,8 +1,10 @@
 """Write a Triton model repository whose Clover model points at a given engine.
 
-The committed ``triton_repo/`` keeps its defaults; ``clover serve --engine DIR``
-writes a filled copy to a temporary directory instead, and
-``python -m clover.serving.repository OUT --engine DIR`` writes one to keep::
+The template is package data: the model's thin ``model.py`` (``clover/serving/triton_template/``)
+and its ``config.pbtxt``, rendered by :func:`clover.serving.protocol.render_model_config`; so an installed
+wheel serves without a checkout. ``clover serve`` writes a filled copy to a temporary directory, and
+``python -m clover.serving.repository OUT --engine DIR`` writes one to keep (a checkout's committed
+``triton_repo/`` is the same template with the defaults)::
 
     python -m clover.serving.repository my_repo --engine engines/mine
     tritonserver --model-repository my_repo ...
@@ -18,21 +20,19 @@ from typing import Mapping
 
 from clover.config import ConfigError
 from clover.serving.protocol import render_model_config
-from clover.demo import checkout_root
 
 MODEL_NAME = "clover"
-
-
-def source_repository() -> Path:
-    """The ``triton_repo/`` of this checkout (beside the ``clover`` package)."""
-    return checkout_root() / "triton_repo"
+# the Python-backend entry point every written model runs (package data: it imports triton_python_backend_utils,
+# which only Triton's stub has, so nothing imports it)
+TEMPLATE_MODEL_PY = Path(__file__).resolve().parent / "triton_template" / "model.py"
 
 
 def model_py(source: Path | None = None) -> Path:
-    path = (source or source_repository()) / MODEL_NAME / "1" / "model.py"
+    """The ``model.py`` to copy: ``source``'s (a model repository) if given, else the package's template."""
+    path = source / MODEL_NAME / "1" / "model.py" if source is not None else TEMPLATE_MODEL_PY
     if not path.exists():
-        raise ConfigError(f"{path} is missing: clover serve needs the triton_repo/ of a source checkout "
-                          "(pass --model-repository)")
+        raise ConfigError(f"{path} is missing" + ("" if source is not None else
+                          ": this clover install is incomplete; reinstall it (pip install --force-reinstall)"))
     return path
 
 
@@ -64,7 +64,7 @@ def write_repository(dest: str | Path, models: Mapping[str, Mapping[str, str]] |
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Write a Triton model repository whose clover model serves ENGINE.")
     p.add_argument("output", type=Path, help="model repository directory to write")
-    p.add_argument("--engine", required=True, help="engine directory (export/build_engine.py)")
+    p.add_argument("--engine", required=True, help="engine directory (clover build)")
     p.add_argument("--backend", default="auto", help="auto, onnxruntime, tensorrt or torch")
     p.add_argument("--method", default="auto", help="auto, clover, clover2, medusa or vanilla")
     p.add_argument("--max-batch", default="0", help="in-flight batch size at most (0: the engine's limit)")

@@ -105,5 +105,5 @@ def _check_adaptive(engine, method: str, engine_dir) -> None:
         raise ConfigError("adaptive=true needs draft heads; this model decodes vanilla")
     if getattr(engine, "cost_model", None) is None:
         raise ConfigError(f"adaptive=true needs a cost model in {engine_dir}; store one with "
-                          f"python export/build_engine.py --output {engine_dir} --recalibrate "
+                          f"clover build --output {engine_dir} --recalibrate "
                           "(or build with --calibrate)")

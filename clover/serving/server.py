@@ -43,7 +43,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from clover.demo import checkout_root
+from clover.demo import package_parent
 from clover.serving.protocol import DRAIN_FILE_ENV
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
@@ -149,6 +149,7 @@ class TritonServer:
         self._log_handle = None
         self._stub_regions: set[str] = set()
         self._stubs: dict[int, str] = {}  # pid -> its /proc start time, to tell a reused pid apart
+        self.forced = False  # stop() was cut short by a second Ctrl-C
 
     # -- endpoints --------------------------------------------------------
 
@@ -216,7 +217,7 @@ class TritonServer:
             libs.append(env["LD_LIBRARY_PATH"])
         if libs:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
-        root = str(checkout_root())
+        root = str(package_parent())
         env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else root
         if self.drain_file is not None:
             env[DRAIN_FILE_ENV] = str(self.drain_file)  # the stubs inherit it (clover.serving.triton_model)
@@ -351,7 +352,7 @@ class TritonServer:
                     if not exited:
                         _say(f"tritonserver (pid {self.pid}) did not exit within {timeout_s:g} s of SIGINT; killing it")
                 except KeyboardInterrupt:  # a second Ctrl-C: stop now
-                    exited = False
+                    self.forced, exited = True, False
                 if not exited:
                     self.kill()
             return self.process.returncode
