@@ -85,10 +85,14 @@ def add_generate_parser(subparsers) -> None:
                    help="choose the tree budget each step (0 to --tree-budget) from the engine's cost model; "
                         "default: whenever the engine has one; --no-adaptive keeps --tree-budget fixed")
     p.add_argument("--backend", choices=["auto", "onnxruntime", "torch"], default="auto",
-                   help="auto: the --engine if given; on the demo target with its shipped Clover heads, the demo "
-                        "onnxruntime engine (built once into engines/demo of $CLOVER_HOME: the checkout, or "
+                   help="auto: the --engine if given; on a GPU the torch path (see --device); on the demo target "
+                        "with its shipped Clover heads, the demo onnxruntime engine (built once into engines/demo of $CLOVER_HOME: the checkout, or "
                         "~/.cache/clover for an installed package; minutes); else torch. torch: the reference path "
                         "on --target/--drafter")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the torch path runs: auto (a CUDA GPU when torch sees one, else the CPU), cpu (the "
+                        "fp32 reference engine) or cuda (the device engine in bf16, its steps replayed from CUDA "
+                        "graphs: docs/gpu-engine.md); built engines run where they were built for")
     p.add_argument("--temperature", type=_sampling("temperature"), default=0.0,
                    help="0 is greedy; up to 2 samples (tree speculative sampling)")
     p.add_argument("--top-k", type=_sampling("top_k", int), default=0,
@@ -107,6 +111,15 @@ def add_generate_parser(subparsers) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def _on_gpu(args) -> bool:
+    """Whether the torch path would run on a GPU (``--device``), where the device engine beats a CPU engine."""
+    if args.device == "cpu":
+        return False
+    import torch
+
+    return args.device == "cuda" or torch.cuda.is_available()
+
+
 def _generate_engine_dir(args) -> Path | None:
     """The engine directory ``clover generate`` decodes on, or None for the torch path (see ``--backend``)."""
     if args.engine is not None:
@@ -115,7 +128,7 @@ def _generate_engine_dir(args) -> Path | None:
         return args.engine
     demo_default = (args.target == "demo" and args.drafter in (None, "demo-clover")
                     and args.method not in ("medusa", "clover2"))
-    if args.backend == "torch" or (args.backend == "auto" and not demo_default):
+    if args.backend == "torch" or (args.backend == "auto" and (not demo_default or _on_gpu(args))):
         return None
     if not demo_default:
         raise ConfigError("--backend onnxruntime needs --engine DIR, except on the demo target with its Clover heads")
@@ -135,11 +148,13 @@ def _load_generate_engine(args):
         engine = load_engine(engine_dir, threads=args.threads)
         args.method = args.method or engine.spec.default_method
         return engine, load_tokenizer(engine_dir)
-    from clover.backends.torch import TorchEngine
+    from clover.backends import load_checkpoint_engine
 
     args.method = args.method or "clover"
-    engine = TorchEngine.from_checkpoint(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir)
-    if args.adaptive is not False and args.method != "vanilla":
+    engine = load_checkpoint_engine(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir,
+                                    device=args.device)
+    on_device = getattr(engine, "device_stepper", None) is not None  # it times its own steps (docs/gpu-engine.md)
+    if args.adaptive is not False and args.method != "vanilla" and not on_device:
         print("[clover] timing the torch engine's steps for the adaptive tree budget (seconds)", file=sys.stderr)
         budget = TreeConfig().budget if args.tree_budget is None else args.tree_budget
         engine.calibrate_cost_model(min(256, args.batch_size * (1 + budget)))

@@ -85,6 +85,15 @@ def test_a_kernel_with_the_reference_ops_signature_attends_as_sdpa_does():
     assert all(torch.equal(a, b) for a, b in zip(*written))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="there is a GPU here: it would run")
+def test_asking_for_cuda_without_a_gpu_is_one_clear_error(capsys):
+    from clover.cli import main
+
+    assert main(["generate", "--device", "cuda", "--prompt", "hi", "--max-new-tokens", "2", "--no-compare"]) != 0
+    err = capsys.readouterr().err
+    assert "torch sees no CUDA GPU" in err and "Traceback" not in err, err
+
+
 def test_the_kernel_attention_needs_cuda():
     from clover.config import ConfigError
 
