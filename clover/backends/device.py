@@ -162,7 +162,6 @@ class DeviceStepper:
         self._pool = torch.cuda.graph_pool_handle() if engine.cuda_graphs else None  # one pool: graphs run in turn
         self._given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # candidates per row -> device buffers
         self._settings = torch.zeros(3, cache.capacity, device=device)  # temperature, top-k, top-p per row
-        self._eager_shapes_logged: set = set()
         self.capture_seconds = 0.0
 
     @property
@@ -344,6 +343,8 @@ class DeviceStepper:
         runs are real steps on the live inputs: they write K/V only past each row's length, which no later step
         reads before writing, and the root states, which are restored after them."""
         started = time.perf_counter()
+        if shape.given:  # made outside the capture: a graph must not replay their initial values
+            self._given_buffers(shape.given)
         saved_roots = self.root_hidden.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
