@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 BENCH_POINTER = ("one run per prompt, so expect noise: for real numbers run python -m clover.bench "
-                 "(medians of repeats; README.md#what-speed-to-expect)")
+                 "(medians of repeats; README.md#speed)")
 # below this many tokens per target pass the drafts were rarely right: the text was new to them
 FEW_ACCEPTED_TOKENS_PER_STEP = 1.5
 # a speed-up smaller than this (either way) is within a single run's noise

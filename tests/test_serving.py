@@ -520,5 +520,5 @@ def test_demo_end_to_end(install, tmp_path_factory):
     assert code == 0, text
     assert text.count("same text: yes") == 3, text  # each prompt, and both together
     assert "acceptance rate" in text and "tok/s" in text and "tokens/step" in text
-    assert re.search(r"2 prompts through Triton .*\| x\d+\.\d\d \| same text: yes\]", text), text
+    assert re.search(r"2 prompts through Triton .*\| x\d+\.\d\d \| same text: yes$", text, re.MULTILINE), text
     assert "python -m clover.bench" in text  # where real numbers come from
