@@ -15,6 +15,8 @@ process with its own time budget (a CUDA error or a hang in one step cannot take
                       first turns at batch 1 and 8, tokens/s and tokens/step of vanilla and Clover, transformers
                       generate() on 10 of them; agreement of bf16 outputs with fp32 vanilla. Skipped where the
                       demo model or MT-bench is not installed.
+  gpu_engine_compile  the vanilla step and the verify pass at batch 1 at the 8B shape, from CUDA graphs, before
+                      and after torch.compile of the decoder layers, and the compile's time.
   kernel_build        JIT-build the TreeAttention CUDA kernel (trt_plugins/torch_ext) for this GPU.
   kernel_correctness  the kernel against the reference op clover.attention.tree_attention: fixed edge
                       cases and random shapes (B 1-16, T 1-64 so one or two mask words, mixed past lengths
@@ -80,6 +82,8 @@ STEPS = (
          needs_cuda=True, needs_steps=("kernel_build",)),
     Step("gpu_engine", "the device engine: lossless from CUDA graphs, step timings at the 8B shape", 150, 200, 60),
     Step("gpu_engine_demo", "the demo model on the device engine: MT-bench speed, bf16 agreement", 150, 200, 60),
+    Step("gpu_engine_compile", "the device engine's layers compiled: batch-1 step and verify, compile time", 120, 200,
+         60),
     Step("lossless_decode", "speculative decoding on the device == transformers generate()", 120, 150, 30),
     Step("decode_timings", "target pass and draft step at the Llama-3-8B shape, bf16", 150, 120, 60),
     Step("train_step", "one online-feature training step at that shape (training/cost_probe.py)", 150, 150, 60),

@@ -422,3 +422,38 @@ def copy_to(module, ctx, dtype):
     import copy
 
     return copy.deepcopy(module).to(device=ctx.device, dtype=dtype)
+
+
+# -- 4. torch.compile of the layers ---------------------------------------------------------------------------
+
+
+def gpu_engine_compile(ctx) -> dict:
+    """The vanilla step and the widest verify pass at batch 1, from CUDA graphs, before and after compiling the
+    decoder layers (DeviceEngine(compile_layers=True)), and the compile's time (the first calls after it)."""
+    from clover.backends.device import compile_decoder_layers
+
+    plan = plan_for(ctx)
+    vanilla, _ = step_engines(ctx, plan)
+    widest = max(plan.trees)
+
+    def measure() -> list[float]:
+        return [step_ms(vanilla, 1, 0, plan, ctx), verify_ms(vanilla, 1, 1, plan, ctx),
+                verify_ms(vanilla, 1, widest, plan, ctx)]
+
+    before = measure()
+    compile_decoder_layers(vanilla.target_step)
+    began = time.perf_counter()
+    with torch.inference_mode():  # the first calls compile: one shape of each kind
+        for tokens in (1, widest):
+            verify_ms(vanilla, 1, tokens, dataclasses.replace(plan, repeats=1), ctx)
+    compile_s = round(time.perf_counter() - began, 1)
+    after = measure()
+    names = ["vanilla step", "verify, 1 token", f"verify, {widest} tokens"]
+    rows = [[name, b, a, round(a / b, 3)] for name, b, a in zip(names, before, after)]
+    how = "CUDA graph" if ctx.device.type == "cuda" else "eager (dry run)"
+    tables = [report.table(f"batch 1, {plan.shape}, {str(plan.dtype).removeprefix('torch.')}: {how}, without and "
+                           f"with compiled layers (compile and first captures: {compile_s} s)",
+                           ["what", "ms", "compiled ms", "÷"], rows)]
+    data = {"rows": rows, "compile_seconds": compile_s}
+    return report.outcome("pass", f"compiled in {compile_s} s; vanilla step {before[0]} -> {after[0]} ms", data=data,
+                          tables=tables)

@@ -490,6 +490,12 @@ def gpu_engine_demo(ctx: Context) -> dict:
     return gpu_check_engine.gpu_engine_demo(ctx)
 
 
-STEP_FUNCTIONS = {"gpu_engine": gpu_engine, "gpu_engine_demo": gpu_engine_demo, "kernel_build": kernel_build, "kernel_correctness": kernel_correctness,
+def gpu_engine_compile(ctx: Context) -> dict:
+    import gpu_check_engine
+
+    return gpu_check_engine.gpu_engine_compile(ctx)
+
+
+STEP_FUNCTIONS = {"gpu_engine": gpu_engine, "gpu_engine_demo": gpu_engine_demo, "gpu_engine_compile": gpu_engine_compile, "kernel_build": kernel_build, "kernel_correctness": kernel_correctness,
                   "lossless_decode": lossless_decode, "decode_timings": decode_timings, "train_step": train_step,
                   "distributed_step": distributed_step}

@@ -94,6 +94,19 @@ def test_asking_for_cuda_without_a_gpu_is_one_clear_error(capsys):
     assert "torch sees no CUDA GPU" in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
+def test_compiled_layers_decode_as_transformers_generate(tmp_path, monkeypatch):
+    """torch.compile of the decoder layers (shape-generic) changes no token; its cache goes where it is told."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    target = make_target(seed=0)
+    engine = DeviceEngine(target, make_drafter(target, num_heads=3, seed=10), max_seq_len=128, compile_layers=True)
+    prompts = random_prompts(0, 2, target.config.vocab_size, 1, 24)
+    results = _generate(engine, "clover", prompts, 4, batch_size=2, max_new=12)
+    assert [r.token_ids for r in results] == hf_greedy(target, prompts, 12)
+    assert any((tmp_path / "inductor").iterdir())
+
+
 def test_the_kernel_attention_needs_cuda():
     from clover.config import ConfigError
 

@@ -15,7 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STEPS = ["kernel_build", "kernel_correctness", "gpu_engine", "gpu_engine_demo", "lossless_decode", "decode_timings", "train_step", "distributed_step"]
+STEPS = ["kernel_build", "kernel_correctness", "gpu_engine", "gpu_engine_demo", "gpu_engine_compile", "lossless_decode", "decode_timings", "train_step", "distributed_step"]
 CUDA_ONLY = ["kernel_build", "kernel_correctness"]
 MIB = 1 << 20
 
@@ -72,6 +72,8 @@ def test_dry_run_measures_what_the_gpu_run_measures(dry_run):
     assert [(r[0], r[1]) for r in engine["verify"]] == [(b, t) for b in (1, 4) for t in (1, 8, 16)]
     assert [r[1] for r in engine["steps"]] == ["vanilla", "Clover, 3 heads, budget 8"] * 2
     assert {r[0] for r in steps["gpu_engine_demo"]["data"]["speed"]} == {1, 8}
+    assert [r[0] for r in steps["gpu_engine_compile"]["data"]["rows"]] == ["vanilla step", "verify, 1 token",
+                                                                         "verify, 16 tokens"]
     worker = steps["distributed_step"]["data"]
     assert worker["backend"] == "gloo" and worker["replica_max_abs_diff"] == 0 and worker["weights_moved"]
     summary = (out / "summary.md").read_text()

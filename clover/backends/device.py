@@ -15,6 +15,7 @@ import bisect
 import dataclasses
 import itertools
 import logging
+import os
 import time
 
 import numpy as np
@@ -24,6 +25,7 @@ from clover.adaptive import CostModel, monotone_fit
 from clover.attention import InPlaceAttention, unpack_mask
 from clover.backends.torch import TorchEngine
 from clover.config import ConfigError, TreeConfig
+from clover.demo import clover_home
 from clover.device_step import PADDING_SCORE, DeviceSampling, GivenCandidates, StepShape, decode_step, sample_rows
 from clover.engine_contract import DraftResult, TargetResult
 from clover.kv_cache import KVCache
@@ -50,6 +52,17 @@ def kv_bucket(needed: int, max_seq_len: int) -> int:
     while size < needed:
         size *= 2
     return min(size, max_seq_len)
+
+
+def compile_decoder_layers(target_step) -> None:
+    """torch.compile each decoder layer (the Augmenting Block's too), shape-generic (``dynamic=True``), so one
+    compilation serves every step shape; compiled kernels are cached on disk between runs
+    (``$TORCHINDUCTOR_CACHE_DIR``, default ``$CLOVER_HOME/inductor``). The compile happens at each layer's first
+    call: the first steps (or the graph captures) take it (docs/gpu-engine.md#cuda-graphs)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(clover_home() / "inductor"))
+    layers = list(target_step.target.layers) + ([target_step.augment] if target_step.augment is not None else [])
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def _attention_kernel(attention: str, device: torch.device):
@@ -80,12 +93,15 @@ class DeviceEngine(TorchEngine):
 
     writes_cache_in_place = True
 
-    def __init__(self, *args, cuda_graphs: bool | None = None, attention: str = "sdpa", **kwargs) -> None:
+    def __init__(self, *args, cuda_graphs: bool | None = None, attention: str = "sdpa", compile_layers: bool = False,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; this engine is on " + str(self.device))
         self.attention_kernel = _attention_kernel(attention, self.device)
+        if compile_layers:
+            compile_decoder_layers(self.target_step)
 
     @property
     def tree_defaults(self) -> TreeConfig:
