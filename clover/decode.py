@@ -617,12 +617,19 @@ class SpeculativeDecoder:
         ``tree.budget`` (0: none) with the suffix candidates merged in; root-only trees when neither proposes."""
         roots = [s.root_token for s in seqs]
         heads = self._heads and (tree.budget > 0 or tree.static_choices is not None)
-        merge = self._suffix_merge(seqs, tree) if self.suffix_on else None
+        merge = self._suffix_merge(seqs, tree) if self.suffix_on and self._suffix_may_pay(seqs, tree) else None
         if not heads and merge is None:
             return root_batch(roots)
         root_hidden = torch.stack([s.root_hidden for s in seqs]) if heads else None
         return draft_tree_batch(self.engine.draft_step if heads else None, root_hidden, roots, tree,
                                 self.engine.spec.num_draft_heads if heads else 0, merge)
+
+    def _suffix_may_pay(self, seqs: list[_Sequence], tree: TreeConfig) -> bool:
+        """False where the adaptive chooser stopped the heads' drafting for a batch of several sequences: a tree
+        in any row then moves the whole batch to the costlier pass of several sequences' trees, which the
+        suffix's few candidates did not pay for on a CPU (docs/trees.md#adaptive-tree-budget; 0.97x vanilla at
+        batch 8 before this rule). One sequence alone keeps its suffix candidates."""
+        return not (self.adaptive is not None and self._heads and tree.budget == 0 and len(seqs) > 1)
 
     def _suffix_merge(self, seqs: list[_Sequence], tree: TreeConfig) -> TreeMerge | None:
         """This step's suffix candidates (None when no sequence has any), sharing the largest tree budget with the

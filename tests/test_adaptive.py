@@ -388,3 +388,24 @@ def test_the_time_correction_counts_the_draft_prefill_like_the_chooser():
         assert chooser._ratio(2, budget) == pytest.approx(1.0)
     assert cost.step_time(2, 4, 2.5, 3) == pytest.approx(
         cost.target_time(10) + cost.draft_time(2, 4, 3) + cost.draft_prefill_time(5))
+
+
+def test_where_the_chooser_stops_the_heads_for_a_batch_no_suffix_candidates_widen_its_pass():
+    """Heads' drafts cost too much here (50 ms a draft step), so the chooser keeps the heads' budget at 0; the
+    suffix proposer has candidates on a repeating prompt. With several sequences a tree in any row widens the whole
+    batch's pass, so none is merged (on a CPU such steps ran at 0.92-0.98x vanilla); one sequence alone keeps its
+    candidates. Either way the tokens are transformers generate()'s."""
+    target = make_target(seed=2)
+    engine = TorchEngine(target, make_drafter(target, num_heads=3, seed=12), max_seq_len=256)
+    cost = CostModel(target=[[1, 0.010], [64, 0.011]], draft=[[1, 0.050], [64, 0.050]])
+    prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8]
+    drafted = {}
+    for batch in (1, 2):
+        decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=4, proposer="suffix"), max_batch_size=batch,
+                                     cost_model=cost, step_timing=False)
+        chosen = prompts[:batch]
+        results = decoder.generate([GenerationRequest(p, max_new_tokens=24, stop_token_ids=()) for p in chosen])
+        assert [r.token_ids for r in results] == hf_greedy(target, chosen, 24)
+        assert {b for _, b in decoder.adaptive.history} == {0}  # the heads never drafted
+        drafted[batch] = sum(r.stats.num_draft_tokens for r in results)
+    assert drafted[1] > 0 and drafted[2] == 0, drafted
