@@ -264,7 +264,7 @@ def machine() -> dict:
 
 def build_jobs(args, target, base_engine, work: Path) -> tuple[dict, dict]:
     """Timing jobs (name -> call) and the full draft-step sessions by variant."""
-    from clover.backends.onnxruntime import _session as engine_session  # the engine's own session options
+    from clover.backends.onnxruntime import open_session as engine_session  # the engine's own session options
 
     cfg = target.config
     graphs, sessions = {}, {}

@@ -37,7 +37,7 @@ if importlib.util.find_spec("clover") is None:  # run from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clover.attention import pack_mask  # noqa: E402
-from clover.backends.onnxruntime import OnnxRuntimeEngine, _session  # noqa: E402
+from clover.backends.onnxruntime import OnnxRuntimeEngine, open_session  # noqa: E402
 from clover.engine_contract import TargetResult, cache_input_names, present_output_names  # noqa: E402
 from clover.engine_dir import engine_spec, read_engine_meta  # noqa: E402
 
@@ -156,7 +156,7 @@ def measure(engine_dir: str, shapes: list[tuple[int, int]], repeats: int) -> Non
         model = Path(tmp) / "stand_in.onnx"
         stand_in_model(spec, model)
         engine = OnnxRuntimeEngine.__new__(OnnxRuntimeEngine)  # the backend's own code on the stand-in session
-        engine.spec, engine.target_session = spec, _session(model, None)
+        engine.spec, engine.target_session = spec, open_session(model, None)
         engine._cache_names = cache_input_names(spec.num_kv_layers)
         engine._present_names = present_output_names(spec.num_kv_layers)
         engine._target_outputs = ["logits", "h0", *engine._present_names]

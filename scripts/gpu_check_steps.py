@@ -418,7 +418,7 @@ def distributed_trainer(ctx: Context, dist, device: torch.device):
     target = cost_probe.random_target(shape_name(ctx), torch.float32 if ctx.dry_run else torch.bfloat16, device)
     cfg = train_mod.TrainConfig(method="clover", cache="-", output="-", num_heads=3, autocast="bf16",
                                 row_chunk=16 if ctx.dry_run else 1024)
-    trainer = train_mod._Trainer(cfg, target, device, dist)
+    trainer = train_mod.Trainer(cfg, target, device, dist)
     vocab = target.config.vocab_size
     raw = cost_probe.probe_batch(vocab, 128 if ctx.dry_run else 2048, 32 if ctx.dry_run else 512, device)
     tokens = (raw.tokens + dist.rank) % vocab

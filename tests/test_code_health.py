@@ -1,4 +1,5 @@
-"""Structural rules of the code base: no import cycles in clover/ or training/, a light CLI import, short functions."""
+"""Structural rules of the code base: no import cycles in clover/ or training/, a light CLI import, short functions,
+no private names used across modules."""
 
 from __future__ import annotations
 
@@ -217,3 +218,55 @@ def long_functions() -> list[str]:
 def test_no_function_longer_than_80_lines():
     found = long_functions()
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _skipped(parts: tuple[str, ...]) -> bool:
+    """tests/ may use private names; hidden folders, virtual environments and build outputs are not the code base."""
+    return parts[0] == "tests" or any(p.startswith(".") or p in ("build", "dist", "site-packages") for p in parts[:-1])
+
+
+def source_files(root: Path | None = None) -> list[Path]:
+    """Every .py file of the code base outside tests/."""
+    root = root or ROOT
+    return [p for p in sorted(root.rglob("*.py")) if not _skipped(p.relative_to(root).parts)]
+
+
+def private_name_uses(path: Path, root: Path | None = None) -> list[str]:
+    """``from X import _name`` and ``X._name`` where X is a name bound by an import (a module, or a name taken
+    from one): a module reaching into another's private names. Dunder names (``__version__``) are public."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    where = path.relative_to(root or ROOT)
+    imported, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.asname or alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported |= {alias.asname or alias.name for alias in node.names}
+            found += [f"{where}:{node.lineno} from {'.' * node.level}{node.module or ''} import {alias.name}"
+                      for alias in node.names if _is_private(alias.name)]
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and _is_private(node.attr) and isinstance(node.value, ast.Name)
+                and node.value.id in imported):
+            found.append(f"{where}:{node.lineno} {node.value.id}.{node.attr}")
+    return found
+
+
+def test_private_name_check_catches_both_forms(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("from clover.client import _hidden\n")  # tests/ may
+    (tmp_path / "bad.py").write_text("import clover.client as client\nfrom clover import cli\n"
+                                     "from clover.client import _hidden, __version__\n"
+                                     "x = client._hidden + cli._main + client.public\n")
+    found = [use for path in source_files(tmp_path) for use in private_name_uses(path, tmp_path)]
+    assert found == ["bad.py:3 from clover.client import _hidden", "bad.py:4 client._hidden", "bad.py:4 cli._main"]
+
+
+def test_no_private_names_used_across_modules():
+    files = source_files()
+    assert len(files) > 50, "the code base was not read"
+    found = [use for path in files for use in private_name_uses(path)]
+    assert not found, "private names used across modules (make them public or move them):\n" + "\n".join(found)

@@ -101,7 +101,7 @@ def probe(args) -> dict:
     cfg = train_mod.TrainConfig(method=args.method, cache="-", output="-", num_heads=args.num_heads,
                                 row_chunk=args.row_chunk, autocast=args.autocast, grad_checkpoint=args.grad_checkpoint,
                                 labels=args.labels, draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size)
-    trainer = train_mod._Trainer(cfg, target, device)
+    trainer = train_mod.Trainer(cfg, target, device)
     roots = int(forward_mod.find_roots(full, args.num_heads).valid[:, 0].sum())
     step_s, step_cpu = timed(lambda: trainer.step([full], 1e-4), args.repeats, device)
     layer_params = sum(p.numel() for p in target.layers[0].parameters())

@@ -255,7 +255,7 @@ def _hardware(device: torch.device) -> str:
     return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
-class _Trainer:
+class Trainer:
     """The drafter, its optimizer and the frozen pieces that one training step needs."""
 
     def __init__(self, cfg: TrainConfig, target, device: torch.device, dist: Distributed | None = None) -> None:
@@ -393,7 +393,7 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
 
     plan, epoch_ends = plan_epochs(cache.conversations, cfg.batch_tokens, cfg.epochs, cfg.seed, cfg.bucket_size,
                                    cfg.max_tokens)
-    trainer = _Trainer(cfg, target, device, dist)
+    trainer = Trainer(cfg, target, device, dist)
     if cfg.token_path == "scaled" and not cfg.init:  # the learned token scale starts at the data's root-state norm
         calibrate_token_scale(trainer.drafter, _root_state_sample(cache))
     progress = trainer.load_state(out / STATE_FILE, plan_digest(plan))
@@ -460,7 +460,7 @@ def _root_state_sample(cache, conversations: int = 8) -> torch.Tensor:
     return torch.cat(states)
 
 
-def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], progress: Progress, out: Path,
+def _run_steps(trainer: Trainer, cache: HiddenCache, plan: list[list[int]], progress: Progress, out: Path,
                on_step, curve: "_LearningCurve") -> None:
     """Train from ``progress.step`` to the end of ``plan``: log, checkpoint and show progress as configured.
 
@@ -512,7 +512,7 @@ class _Feeder:
     states the drafter needs: read from the cache by :func:`collate`, or computed by the target in
     :meth:`prepare` just before the micro-batch runs (``--features online``)."""
 
-    def __init__(self, cfg: TrainConfig, cache: HiddenCache, trainer: _Trainer) -> None:
+    def __init__(self, cfg: TrainConfig, cache: HiddenCache, trainer: Trainer) -> None:
         self.cfg, self.cache, self.trainer = cfg, cache, trainer
         self.need_input = trainer.drafter.augment is not None  # the Augmenting Block runs on the last layer's input
         self.need_last = not self.need_input or cfg.needs_target_hidden
@@ -541,7 +541,7 @@ class _LearningCurve:
     nothing, so a resumed run still ends bit for bit the same.
     """
 
-    def __init__(self, cfg: TrainConfig, trainer: "_Trainer", out: Path, epoch_ends: list[int]) -> None:
+    def __init__(self, cfg: TrainConfig, trainer: "Trainer", out: Path, epoch_ends: list[int]) -> None:
         self.cfg, self.trainer, self.out, self.path = cfg, trainer, out, out / EVAL_LOG_FILE
         self.epoch_of_end = {end: epoch + 1 for epoch, end in enumerate(epoch_ends)} if cfg.eval_epochs else {}
         wanted = cfg.eval_cache and (cfg.eval_every > 0 or cfg.eval_epochs) and trainer.dist.is_main
