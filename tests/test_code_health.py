@@ -191,6 +191,15 @@ def test_no_import_cycles_in_training():
     assert not cycles, "import cycles among clover and training modules:\n" + "\n".join(cycles)
 
 
+def test_the_core_does_not_import_the_benchmark():
+    """clover/bench/ measures the product; nothing else in clover/ imports it (function-level imports count)."""
+    graph = import_graph()
+    assert "clover.bench.genai" in graph["clover.bench.sweeps"], "the graph was not read"
+    found = [f"{module} -> {target}" for module, edges in graph.items() if not module.startswith("clover.bench")
+             for target in edges if target == "clover.bench" or target.startswith("clover.bench.")]
+    assert not found, "the core imports the benchmark:\n" + "\n".join(found)
+
+
 def test_cli_import_does_not_load_the_serving_package():
     code = ("import sys, clover.cli; "
             "print('\\n'.join(m for m in sys.modules if m == 'clover.serving' or m.startswith('clover.serving.')))")

@@ -29,7 +29,7 @@ sweep. ``--quick`` runs small sweeps (a smoke test, not evidence).
 * ``peers`` (only when named in ``--sweeps``; optional extras ``bench`` and ``llamacpp``): the runtimes a CPU
   user would compare, at batch 1 on the same prompt token ids and ``--threads``, interleaved: vanilla and the
   ``clover generate`` defaults on the engine (and vanilla on any ``--vanilla-engine``), onnxruntime-genai
-  greedy on its model builder's CPU int4 graph of the engine's own target checkpoint (:mod:`clover.genai`), and
+  greedy on its model builder's CPU int4 graph of the engine's own target checkpoint (:mod:`clover.bench.genai`), and
   llama.cpp greedy on the demo GGUF. Each peer that is not installed is left out with a note.
 * ``passes`` (only when named in ``--sweeps``): one target pass of T = 1, 2, 4, 8, 16 new tokens after
   ``--pass-past`` cached ones at batch 1, on the engine, each ``--vanilla-engine`` and the builder's graph
@@ -554,7 +554,7 @@ def _load_llamacpp(args, engine, notes: list[str]) -> dict:
     """llama.cpp instances for the ``llamacpp`` sweep (greedy, prompt lookup), or {} with a note where it
     cannot run: llama-cpp-python missing, or the engine's target is not the demo GGUF's model."""
     from clover.demo import DEMO_NAME
-    from clover.llamacpp import build_info, load_llama, wait_policy
+    from clover.bench.llamacpp import build_info, load_llama, wait_policy
 
     if Path(str(engine.meta.source.get("target"))).name != DEMO_NAME:  # the demo checkpoint's cache directory
         notes.append("llama.cpp sweep skipped: the engine's target is not the demo GGUF's model.")
@@ -578,7 +578,7 @@ def _load_peers(args, engine, notes: list[str]) -> tuple[dict, dict]:
     ``(prompt ids, max_new) -> sample`` and ``(tokens, past) -> None``; a note for each left out."""
     import functools
 
-    from clover.genai import BuilderGraphPass, build_genai_model, load_genai, run_genai
+    from clover.bench.genai import BuilderGraphPass, build_genai_model, load_genai, run_genai
 
     decoders, passes, threads = {}, {}, args.threads or os.cpu_count()
     if "peers" in args.sweeps:
@@ -604,7 +604,7 @@ def _load_peers(args, engine, notes: list[str]) -> tuple[dict, dict]:
 
 
 def run_llamacpp_sample(llama, prompt: list[int], max_new: int) -> dict:
-    from clover.llamacpp import run_llamacpp
+    from clover.bench.llamacpp import run_llamacpp
 
     return run_llamacpp(llama, prompt, max_new)
 
@@ -818,7 +818,7 @@ def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, st
         if config.method in engines["peers"]:
             return engines["peers"][config.method](prompts[repeat % len(prompts)], max_new)
         if config.method.startswith("llamacpp-"):
-            from clover.llamacpp import run_llamacpp
+            from clover.bench.llamacpp import run_llamacpp
 
             return run_llamacpp(engines["llamacpp"][config.method], prompts[repeat % len(prompts)], max_new)
         if config.method.startswith("hf-"):
@@ -1149,6 +1149,3 @@ def main(argv=None) -> int:
     print(f"wrote {output / 'bench.json'}, {output / 'bench.md'}, " + ", ".join(p.name for p in pngs))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
