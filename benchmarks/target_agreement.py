@@ -1,6 +1,6 @@
 """How often a quantized target's greedy tokens agree with the fp32 engine's (docs/quantized-target.md#agreement).
 
-    python benchmarks/target_agreement.py --reference engines/qt-fp32 \\
+    python -m benchmarks.target_agreement --reference engines/qt-fp32 \\
         --engines engines/qt-q4-fp32,engines/qt-q4-int8,engines/qt-int8-int8 --llama-cpp \\
         --max-new-tokens 128 --output docs/results/quantized-target/agreement.json
 
