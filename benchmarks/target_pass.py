@@ -31,7 +31,6 @@ import collections
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
