@@ -402,7 +402,7 @@ def train_step(ctx: Context) -> dict:
             ["online step (both)", result["online_tokens_per_s"], None, None]]
     tables = [report.table(f"{result['tokens_per_step']} tokens per step, target {result['target_dtype']}, "
                            f"autocast {result['autocast']}", ["part", "tokens/s", "seconds", "peak MB"], rows)]
-    notes = [f"command: python training/cost_probe.py {' '.join(argv)}"]
+    notes = [f"command: python -m training.cost_probe {' '.join(argv)}"]
     return report.outcome("pass", f"{result['online_tokens_per_s']} online tokens/s", data=result, tables=tables,
                           notes=notes)
 

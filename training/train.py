@@ -1,6 +1,6 @@
 """Train Clover / Medusa / ablation heads on a hidden-state cache (docs/drafter.md#training).
 
-    python training/train.py --method clover --cache data/cache/train --output runs/clover \\
+    python -m training.train --method clover --cache data/cache/train --output runs/clover \\
         --max-tokens 600000
 
 The target is frozen; only the drafter learns. What one step computes, for each
@@ -69,21 +69,18 @@ import numpy as np
 import torch
 from torch import nn
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from clover.config import (DRAFTER_METHODS, TOKEN_PATHS, ConfigError, DrafterConfig,  # noqa: E402
+from clover.config import (DRAFTER_METHODS, TOKEN_PATHS, ConfigError, DrafterConfig,
                            resolve_feature_layers)
-from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, calibrate_token_scale, load_drafter,  # noqa: E402
+from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, calibrate_token_scale, load_drafter,
                              read_draft_vocab, save_drafter, set_draft_vocab)
-from training.accuracy import teacher_forced  # noqa: E402
-from training.batches import Batch, assistant_tokens, collate, plan_digest, plan_epochs  # noqa: E402
-from training.distributed import Distributed  # noqa: E402
-from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,  # noqa: E402
+from training.accuracy import teacher_forced
+from training.batches import Batch, assistant_tokens, collate, plan_digest, plan_epochs
+from training.distributed import Distributed
+from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,
                                online_target_dtype, peak_memory_mb, stored_dtype)
-from training.forward import find_roots, head_weights, pick_device, run_batch  # noqa: E402
-from training.hidden_cache import HiddenCache, open_training_data  # noqa: E402
-from training.run_dir import (EVAL_LOG_FILE, LOG_FILE, STATE_FILE, SUMMARY_FILE, CheckpointClock,  # noqa: E402
+from training.forward import find_roots, head_weights, pick_device, run_batch
+from training.hidden_cache import HiddenCache, open_training_data
+from training.run_dir import (EVAL_LOG_FILE, LOG_FILE, STATE_FILE, SUMMARY_FILE, CheckpointClock,
                               Progress, append_json_line, claim_output_on_main, drop_log_lines_after, save_atomic)
 
 LABELS = ("hard", "soft")
@@ -615,7 +612,7 @@ def _command_line() -> str | None:
     script = Path(sys.argv[0]) if sys.argv else None
     if script is None or script.parent.name != "training":
         return None
-    return f"python training/{script.name} " + " ".join(sys.argv[1:])
+    return f"python -m training.{script.stem} " + " ".join(sys.argv[1:])
 
 
 def _epoch_choice(eval_log: Path) -> dict:
