@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-import gpu_check_report as report
-from gpu_check_attention import attention_variants, kernel_attention, use_attention
+from scripts import gpu_check_report as report
+from scripts.gpu_check_attention import attention_variants, gpu_checks_module, kernel_attention, use_attention
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SHAPE_NAME = "gpu-check-tiny"
@@ -80,14 +80,6 @@ def shape_name(ctx: Context) -> str:
 
 
 # -- the kernel --------------------------------------------------------------------------------------------
-
-
-def gpu_checks_module():
-    """trt_plugins/tests/gpu_checks.py (a script folder, not a package)."""
-    sys.path.insert(0, str(REPO / "trt_plugins" / "tests"))
-    import gpu_checks
-
-    return gpu_checks
 
 
 class _OffByTolerance:
@@ -461,7 +453,7 @@ def distributed_step(ctx: Context) -> dict:
     result_path = ctx.out / "steps" / "distributed_worker.json"
     result_path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(REPO / "scripts" / "gpu_check.py"), "--distributed-worker", "--out", str(ctx.out),
+               "-m", "scripts.gpu_check", "--distributed-worker", "--out", str(ctx.out),
                "--build-dir", str(ctx.build_dir), *(["--dry-run"] if ctx.dry_run else [])]
     done = subprocess.run(command, cwd=REPO)  # the parent's budget kills the process group if it hangs
     if done.returncode or not result_path.exists():
@@ -479,13 +471,13 @@ def distributed_step(ctx: Context) -> dict:
 
 
 def gpu_engine(ctx: Context) -> dict:
-    import gpu_check_engine
+    from scripts import gpu_check_engine
 
     return gpu_check_engine.gpu_engine(ctx)
 
 
 def gpu_engine_demo(ctx: Context) -> dict:
-    import gpu_check_engine
+    from scripts import gpu_check_engine
 
     return gpu_check_engine.gpu_engine_demo(ctx)
 
