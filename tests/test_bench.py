@@ -162,7 +162,7 @@ def test_triton_sweep_through_the_real_server(engines, tmp_path, monkeypatch):
 # -- a killed run resumes -------------------------------------------------------------
 
 from clover.bench import sweeps as bench_module  # noqa: E402
-from clover.bench.sweeps import run_key  # noqa: E402
+from clover.bench.samples import run_key  # noqa: E402
 
 REAL_RUN_DECODE = bench_module.run_decode
 NEW_TOKENS = 6  # the warm-ups decode min(4, NEW_TOKENS) = 4 tokens: that tells them from the measurements
