@@ -1,6 +1,6 @@
 """Summarize benchmarks/aiperf_sweep.sh: a Markdown table and a plot from aiperf's per-level JSON exports.
 
-    python benchmarks/aiperf_report.py docs/results/openai
+    python -m benchmarks.aiperf_report docs/results/openai
 
 Reads ``OUT/raw/<method>/c<N>/profile_export_aiperf.json`` (aiperf 0.13 ``profile_export_aiperf.json``: one
 object per metric with avg, min, max, p50, p90, p99, ...), writes ``OUT/results.md`` (the table) and

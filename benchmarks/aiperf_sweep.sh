@@ -117,4 +117,4 @@ for method in $METHODS; do
 done
 
 [ "$MEASURED" = 1 ] && echo "uptime after: $(uptime)" >> "$OUT/raw/env.txt"
-$PYTHON benchmarks/aiperf_report.py "$OUT"
+$PYTHON -m benchmarks.aiperf_report "$OUT"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Replay the adaptive tree-budget chooser on measured acceptance, without timing noise (issue 14).
 
-    python benchmarks/chooser_replay.py --engine engines/demo --prompts 24 --new-tokens 128 \\
+    python -m benchmarks.chooser_replay --engine engines/demo --prompts 24 --new-tokens 128 \\
         --work outputs/chooser-replay --output docs/results/defaults/chooser-replay.json
 
 At batch 1 the chooser decides between speculative steps that barely pay and vanilla steps, from an

@@ -1,6 +1,6 @@
 """Clover-2 starting points compared after the same few training steps (docs/results/clover2/README.md).
 
-    python benchmarks/clover2_init_variants.py STEPS VARIANT [VARIANT ...]
+    python -m benchmarks.clover2_init_variants STEPS VARIANT [VARIANT ...]
 
 VARIANT: ``current`` (Clover2Drafter as implemented: the mixer reads the RMS-normalised last hidden state,
 head 1 reads ``[state; e(root token)]``), ``raw-input`` (the mixer reads the raw last hidden state, as in the
@@ -12,9 +12,9 @@ Prints, per variant, top-1 against the label and agreement with the target's top
 conversations.
 """
 import sys, torch, time
-sys.path.insert(0, "training")
-from train import run_batch, collate, head_weights, make_plan
-from hidden_cache import HiddenCache
+from training.batches import collate, make_plan
+from training.forward import head_weights, run_batch
+from training.hidden_cache import HiddenCache
 from clover.demo import resolve_target
 from clover.target import load_target
 from clover.drafters import Drafter, new_drafter_config, read_draft_vocab, set_draft_vocab

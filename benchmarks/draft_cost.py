@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Draft-step cost against the draft vocabulary size V' (FR-Spec; docs/results/draft-cost/README.md).
 
-    python benchmarks/draft_cost.py --engine engines/demo --heads outputs/draft-cost/heads \\
+    python -m benchmarks.draft_cost --engine engines/demo --heads outputs/draft-cost/heads \\
         --cache outputs/data/cache/sharegpt-eval --prompts outputs/data/sharegpt/prompts_eval.jsonl \\
         --work outputs/draft-cost --output docs/results/draft-cost
 
@@ -40,9 +40,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOP_K = 8
 PARTS = ("full", "to_feature", "to_next_hidden")
@@ -264,7 +261,7 @@ def machine() -> dict:
 
 def build_jobs(args, target, base_engine, work: Path) -> tuple[dict, dict]:
     """Timing jobs (name -> call) and the full draft-step sessions by variant."""
-    from clover.backends.onnxruntime import _session as engine_session  # the engine's own session options
+    from clover.backends.onnxruntime import open_session as engine_session  # the engine's own session options
 
     cfg = target.config
     graphs, sessions = {}, {}

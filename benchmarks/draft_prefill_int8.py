@@ -2,8 +2,8 @@
 """Would int8 weights pay for Clover-2's ``draft_prefill``? (docs/engine-contract.md, "draft_prefill in the engine
 directory")
 
-    python benchmarks/draft_prefill_int8.py --work /tmp/prefill-int8
-    python benchmarks/draft_prefill_int8.py --engine engines/mine-clover2 --work /tmp/prefill-int8 --output out.json
+    python -m benchmarks.draft_prefill_int8 --work /tmp/prefill-int8
+    python -m benchmarks.draft_prefill_int8 --engine engines/mine-clover2 --work /tmp/prefill-int8 --output out.json
 
 Takes a Clover-2 onnxruntime fp32 engine (``--engine``; default: one built once into ``WORK/engine`` from
 paper-initialised Clover-2 heads on the demo target) and a copy of it whose ``draft_prefill.onnx`` has int8
@@ -29,9 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TEXT = ("Speculative decoding lets a small draft model propose several tokens that the large target model then "
         "verifies in one pass. The output is unchanged, but fewer target passes are needed. ") * 3

@@ -9,7 +9,7 @@ Measures, interleaved and repeated:
 
 Usage::
 
-    python benchmarks/engine_speed.py --output docs/results/engine_speed.json
+    python -m benchmarks.engine_speed --output docs/results/engine_speed.json
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ tokens (they must match). ``--profile`` prints cProfile's top host functions per
 Usage::
 
     mkdir /tmp/old && git archive HEAD clover | tar -x -C /tmp/old   # the code to compare with
-    python benchmarks/host_overhead.py --batches 1 32 --repeats 3 --code before=/tmp/old --code after=.
-    python benchmarks/host_overhead.py --engine engines/demo --batches 32 --profile
+    python -m benchmarks.host_overhead --batches 1 32 --repeats 3 --code before=/tmp/old --code after=.
+    python -m benchmarks.host_overhead --engine engines/demo --batches 32 --profile
 """
 
 from __future__ import annotations
@@ -229,8 +229,6 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.engine = str(Path(args.engine).resolve())
-    if not args.worker:  # the worker's path is set by its parent (PYTHONPATH)
-        sys.path.insert(0, str(REPO_ROOT))
     if args.worker or args.profile:
         for batch in ([args.batch] if args.worker else args.batches):
             args.batch = batch

@@ -1,7 +1,7 @@
 """onnxruntime MatMulNBits on one layer shape against the fp32 MatMul: zero-point variants and accuracy levels
 (docs/quantized-target.md#mapping). Random weights; times per call in microseconds, medians of 5 rounds of 20 calls.
 
-    python benchmarks/matmul_nbits_micro.py [THREADS]
+    python -m benchmarks.matmul_nbits_micro [THREADS]
 
 kinds: fp32 (MatMul), nozp (default zero point), zp_u8 (packed uint8 zero points), zp_f (float zero points);
 /a0: fp32 compute, /a4: int8 compute (accuracy_level 4).

@@ -10,7 +10,7 @@ cost for that pair. The first token is the first response carrying token ids on 
 Usage::
 
     clover serve --engine ENGINE --openai-port 9000 &
-    python benchmarks/openai_ttft.py --grpc-url localhost:8001 --openai-url http://localhost:9000/v1
+    python -m benchmarks.openai_ttft --grpc-url localhost:8001 --openai-url http://localhost:9000/v1
 """
 
 from __future__ import annotations

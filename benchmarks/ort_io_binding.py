@@ -16,14 +16,13 @@ time of the calling thread, alternating the variants:
 
 Usage::
 
-    python benchmarks/ort_io_binding.py --engine engines/demo --repeats 400
+    python -m benchmarks.ort_io_binding --engine engines/demo --repeats 400
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,15 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import importlib.util  # noqa: E402
-
-if importlib.util.find_spec("clover") is None:  # run from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from clover.attention import pack_mask  # noqa: E402
-from clover.backends.onnxruntime import OnnxRuntimeEngine, _session  # noqa: E402
-from clover.engine_contract import TargetResult, cache_input_names, present_output_names  # noqa: E402
-from clover.engine_dir import engine_spec, read_engine_meta  # noqa: E402
+from clover.attention import pack_mask
+from clover.backends.onnxruntime import OnnxRuntimeEngine, open_session
+from clover.engine_contract import TargetResult, cache_input_names, present_output_names
+from clover.engine_dir import engine_spec, read_engine_meta
 
 NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 STEP_INPUTS = ("input_ids", "position_ids", "past_lengths", "spec_decoding_packed_mask")
@@ -156,7 +150,7 @@ def measure(engine_dir: str, shapes: list[tuple[int, int]], repeats: int) -> Non
         model = Path(tmp) / "stand_in.onnx"
         stand_in_model(spec, model)
         engine = OnnxRuntimeEngine.__new__(OnnxRuntimeEngine)  # the backend's own code on the stand-in session
-        engine.spec, engine.target_session = spec, _session(model, None)
+        engine.spec, engine.target_session = spec, open_session(model, None)
         engine._cache_names = cache_input_names(spec.num_kv_layers)
         engine._present_names = present_output_names(spec.num_kv_layers)
         engine._target_outputs = ["logits", "h0", *engine._present_names]

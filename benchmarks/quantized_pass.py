@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Target-pass time of engines at 1 and 8 new tokens, interleaved (docs/results/quantized-target).
 
-    python benchmarks/quantized_pass.py qt-fp32 demo qt-q4-int8 qt-int8-int8   # engines/<name>
+    python -m benchmarks.quantized_pass qt-fp32 demo qt-q4-int8 qt-int8-int8   # engines/<name>
 
 Batch 1, 100 cached positions, ``--threads`` onnxruntime threads (2). Each round times 10 passes of every
 engine in turn (after one untimed pass), so load drifts hit all engines alike; prints the median (min–max) of

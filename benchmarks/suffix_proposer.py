@@ -16,7 +16,7 @@ context on a full 65536-token index, and a full rebuild (the pause that eviction
 Prints median / min / max microseconds per step over all steps of ``--repeats`` passes, and writes JSON with
 ``--json``. Usage::
 
-    python benchmarks/suffix_proposer.py --repeats 3 --json docs/results/suffix-proposer/bench.json
+    python -m benchmarks.suffix_proposer --repeats 3 --json docs/results/suffix-proposer/bench.json
 """
 
 from __future__ import annotations
@@ -26,13 +26,10 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from clover.suffix import SharedSuffixIndex, SuffixIndex  # noqa: E402
+from clover.suffix import SharedSuffixIndex, SuffixIndex
 
 TEXT_TOKENS = 2048
 PROMPT_TOKENS = 64

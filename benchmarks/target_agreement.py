@@ -1,6 +1,6 @@
 """How often a quantized target's greedy tokens agree with the fp32 engine's (docs/quantized-target.md#agreement).
 
-    python benchmarks/target_agreement.py --reference engines/qt-fp32 \\
+    python -m benchmarks.target_agreement --reference engines/qt-fp32 \\
         --engines engines/qt-q4-fp32,engines/qt-q4-int8,engines/qt-int8-int8 --llama-cpp \\
         --max-new-tokens 128 --output docs/results/quantized-target/agreement.json
 
@@ -87,7 +87,7 @@ class LlamaCppGreedy:
     """llama.cpp on the demo GGUF through llama-cpp-python, with the same token ids in and out."""
 
     def __init__(self, threads: int) -> None:
-        from clover.llamacpp import load_llama
+        from clover.bench.llamacpp import load_llama
 
         self.llama = load_llama(threads=threads, logits_all=True)
 
@@ -97,16 +97,16 @@ class LlamaCppGreedy:
         return torch.tensor(self.llama.scores[: len(ids)]).float()
 
     def greedy(self, prompt: list[int], max_new: int, eos: int) -> list[int]:
-        from clover.llamacpp import llama_greedy
+        from clover.bench.llamacpp import llama_greedy
 
         return llama_greedy(self.llama, prompt, max_new, eos)
 
 
 class GenaiGraph:
-    """onnxruntime-genai's model builder graph (``clover.genai``) of the reference's target checkpoint."""
+    """onnxruntime-genai's model builder graph (``clover.bench.genai``) of the reference's target checkpoint."""
 
     def __init__(self, checkpoint: str, model_dir: str, threads: int) -> None:
-        from clover.genai import BuilderGraphPass, build_genai_model, load_genai
+        from clover.bench.genai import BuilderGraphPass, build_genai_model, load_genai
 
         self.model_dir = build_genai_model(checkpoint, model_dir)
         self.graph = BuilderGraphPass(self.model_dir, threads)
@@ -116,7 +116,7 @@ class GenaiGraph:
         return torch.from_numpy(self.graph.logits(ids)).float()
 
     def greedy(self, prompt: list[int], max_new: int, eos: int) -> list[int]:
-        from clover.genai import genai_greedy, load_genai
+        from clover.bench.genai import genai_greedy, load_genai
 
         tokens = genai_greedy(load_genai(self.model_dir, self.threads), prompt, max_new)
         return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens

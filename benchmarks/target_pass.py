@@ -18,10 +18,10 @@ Three measurements on engines built by ``clover build``:
 
 Usage::
 
-    python benchmarks/target_pass.py profile --engine engines/demo --batches 1 8
-    python benchmarks/target_pass.py passes --engine old=/tmp/eng-old --engine new=/tmp/eng-new --rounds 7
-    python benchmarks/target_pass.py passes --engine ort=engines/demo --engine bf16=torch:bfloat16
-    python benchmarks/target_pass.py threads --engine engines/demo --threads 1 2 --batches 1 8 --rounds 3
+    python -m benchmarks.target_pass profile --engine engines/demo --batches 1 8
+    python -m benchmarks.target_pass passes --engine old=/tmp/eng-old --engine new=/tmp/eng-new --rounds 7
+    python -m benchmarks.target_pass passes --engine ort=engines/demo --engine bf16=torch:bfloat16
+    python -m benchmarks.target_pass threads --engine engines/demo --threads 1 2 --batches 1 8 --rounds 3
 """
 
 from __future__ import annotations
@@ -31,15 +31,13 @@ import collections
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_speed import PROMPT, read_bandwidth_gbs  # noqa: E402
+from benchmarks.engine_speed import PROMPT, read_bandwidth_gbs
 
 
 def pass_inputs(spec, batch: int, tokens: int, past: int):

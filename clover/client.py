@@ -105,7 +105,8 @@ _TYPES = {"text_input": ("BYTES", None), "stop_words": ("BYTES", None), "max_tok
 _PERF_KEYS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_decode_steps")
 
 
-def _as_array(name: str, value) -> tuple[np.ndarray, str]:
+def input_array(name: str, value) -> tuple[np.ndarray, str]:
+    """The Triton input tensor and its datatype for one request field."""
     datatype, dtype = _TYPES[name]
     if datatype == "BYTES":
         values = value if isinstance(value, list) else [value]
@@ -169,7 +170,8 @@ class GrpcClient:
                 finished = bool(final and final.bool_param)
                 if not response.outputs and finished:
                     break
-                yield _chunk({name: result.as_numpy(name) for name in (o.name for o in response.outputs)}, arrived)
+                outputs = {name: result.as_numpy(name) for name in (o.name for o in response.outputs)}
+                yield chunk_from_outputs(outputs, arrived)
         finally:
             # a consumer that stops early cancels the request; a finished stream closes quietly
             self.client.stop_stream(cancel_requests=not finished)
@@ -181,7 +183,7 @@ class GrpcClient:
             if isinstance(value, tuple):  # (numpy array, Triton datatype): sent as given
                 array, datatype = value
             else:
-                array, datatype = _as_array(name, value)
+                array, datatype = input_array(name, value)
             tensor = self._grpc.InferInput(name, list(array.shape), datatype)
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
@@ -198,7 +200,8 @@ def _message(error) -> str:
     return str(message or error)
 
 
-def _chunk(outputs: dict, arrived: float) -> Chunk:
+def chunk_from_outputs(outputs: dict, arrived: float) -> Chunk:
+    """One streamed response (the model's output tensors by name) as a Chunk."""
     def scalar(name):
         value = outputs.get(name)
         if value is None:
@@ -270,7 +273,7 @@ class HttpClient:
             data = json.loads(response.read())
         finally:
             conn.close()
-        return collect(iter([_chunk(data, time.perf_counter())]), start)
+        return collect(iter([chunk_from_outputs(data, time.perf_counter())]), start)
 
     def stream(self, prompt: str, max_tokens: int = 128, **options) -> Iterator[Chunk]:
         """Yield server-sent events as chunks. Leaving the loop early closes the connection, which cancels
@@ -284,7 +287,7 @@ class HttpClient:
                 data = json.loads(line[5:])
                 if "error" in data:
                     raise ClientError(data["error"])
-                yield _chunk(data, time.perf_counter())
+                yield chunk_from_outputs(data, time.perf_counter())
         finally:
             conn.close()
 

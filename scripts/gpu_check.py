@@ -50,13 +50,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent
-for path in (str(REPO), str(SCRIPTS)):  # a fresh copy of the tree need not be pip-installed
-    if path not in sys.path:
-        sys.path.insert(0, path)
+from scripts import gpu_check_report as report
 
-import gpu_check_report as report  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]  # each step runs from here as ``python -m scripts.gpu_check``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +116,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def step_command(step: Step, args: argparse.Namespace) -> list[str]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--step", step.name, "--out", args.out,
+    command = [sys.executable, "-m", "scripts.gpu_check", "--step", step.name, "--out", args.out,
                "--build-dir", args.build_dir]
     if args.dry_run:
         command.append("--dry-run")
@@ -191,11 +187,11 @@ def run_steps(args: argparse.Namespace, env: dict, started: float) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.distributed_worker:
-        from gpu_check_steps import distributed_worker
+        from scripts.gpu_check_steps import distributed_worker
 
         return distributed_worker(args)
     if args.step:
-        from gpu_check_steps import run_step
+        from scripts.gpu_check_steps import run_step
 
         return run_step(args)
     out = Path(args.out)

@@ -6,4 +6,8 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python3}" "$repo/scripts/gpu_check.py" "$@"
+python="${PYTHON:-python3}"
+# -P (Python 3.11+): the current folder does not come first on sys.path, so a `scripts` or `clover` there
+# (another checkout) cannot shadow this tree's
+safe_path="$("$python" -P -c '' 2>/dev/null && echo -P || true)"
+exec "$python" $safe_path -m scripts.gpu_check "$@"

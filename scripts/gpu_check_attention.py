@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 from pathlib import Path
 from unittest import mock
@@ -21,8 +22,20 @@ import torch
 import clover.target
 from clover.attention import tree_attention, unpack_mask
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trt_plugins" / "tests"))
-from gpu_checks import sdpa_gqa  # noqa: E402
+GPU_CHECKS = Path(__file__).resolve().parents[1] / "trt_plugins" / "tests" / "gpu_checks.py"
+
+
+def gpu_checks_module():
+    """trt_plugins/tests/gpu_checks.py, loaded from its file once (a script folder, not a package)."""
+    if "gpu_checks" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_checks", GPU_CHECKS)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_checks"] = module  # before it runs: its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules["gpu_checks"]
+
+
+sdpa_gqa = gpu_checks_module().sdpa_gqa
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-import gpu_check_report as report
+from scripts import gpu_check_report as report
 
 NEW_TOKENS = 24
 # ../shared/probes/gpu_graph_pass.py on one H200, 2026-12-04: a compiled layer + CUDA graph, ms (issue 44)
@@ -53,7 +53,7 @@ def lossless_rows(ctx) -> list[list]:
     from tests.helpers import DeviceOracleEngine, hf_greedy, random_prompts
     from tests.random_models import make_drafter, make_target
 
-    from gpu_check_steps import on_device
+    from scripts.gpu_check_steps import on_device
 
     target = make_target(seed=3, head_dim=64)
     rows = []
@@ -139,7 +139,7 @@ def step_engines(ctx, plan: EnginePlan):
     """(vanilla engine, Clover engine) over one random-weight target of the plan's shape."""
     from clover.backends.device import DeviceEngine
     from clover.drafters import Drafter, new_drafter_config
-    from gpu_check_steps import shape_name
+    from scripts.gpu_check_steps import shape_name
     from training import cost_probe
 
     shape_name(ctx)  # registers the tiny shape
@@ -214,7 +214,7 @@ def kernel_engine(ctx, vanilla, plan: EnginePlan):
     """The vanilla engine's target with the TreeAttention kernel as its attention, when kernel_build passed in this
     run (its extension is then loaded, not rebuilt); else (None, why not)."""
     from clover.backends.device import DeviceEngine
-    from gpu_check_steps import built_kernel
+    from scripts.gpu_check_steps import built_kernel
 
     extension, why_not = built_kernel(ctx)
     if extension is None:
@@ -270,7 +270,7 @@ def aim_rows(verify_rows, step_rows, plan: EnginePlan) -> list[list]:
 
 
 def gpu_engine(ctx) -> dict:
-    from gpu_check_steps import require_transformers
+    from scripts.gpu_check_steps import require_transformers
 
     require_transformers()
     rows = lossless_rows(ctx)
@@ -306,7 +306,7 @@ def demo_inputs(ctx):
 
         target = make_target(seed=5)
         return target, make_drafter(target, num_heads=3, seed=15), random_prompts(5, 4, 97, 3, 16), "tiny random"
-    from gpu_check_steps import Skip
+    from scripts.gpu_check_steps import Skip
 
     from clover.config import ConfigError
     from clover.demo import DemoModelMissing, resolve_target, shipped_heads

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-import gpu_check_report as report
-from gpu_check_attention import attention_variants, kernel_attention, use_attention
+from scripts import gpu_check_report as report
+from scripts.gpu_check_attention import attention_variants, gpu_checks_module, kernel_attention, use_attention
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SHAPE_NAME = "gpu-check-tiny"
@@ -80,14 +80,6 @@ def shape_name(ctx: Context) -> str:
 
 
 # -- the kernel --------------------------------------------------------------------------------------------
-
-
-def gpu_checks_module():
-    """trt_plugins/tests/gpu_checks.py (a script folder, not a package)."""
-    sys.path.insert(0, str(REPO / "trt_plugins" / "tests"))
-    import gpu_checks
-
-    return gpu_checks
 
 
 class _OffByTolerance:
@@ -402,7 +394,7 @@ def train_step(ctx: Context) -> dict:
             ["online step (both)", result["online_tokens_per_s"], None, None]]
     tables = [report.table(f"{result['tokens_per_step']} tokens per step, target {result['target_dtype']}, "
                            f"autocast {result['autocast']}", ["part", "tokens/s", "seconds", "peak MB"], rows)]
-    notes = [f"command: python training/cost_probe.py {' '.join(argv)}"]
+    notes = [f"command: python -m training.cost_probe {' '.join(argv)}"]
     return report.outcome("pass", f"{result['online_tokens_per_s']} online tokens/s", data=result, tables=tables,
                           notes=notes)
 
@@ -418,7 +410,7 @@ def distributed_trainer(ctx: Context, dist, device: torch.device):
     target = cost_probe.random_target(shape_name(ctx), torch.float32 if ctx.dry_run else torch.bfloat16, device)
     cfg = train_mod.TrainConfig(method="clover", cache="-", output="-", num_heads=3, autocast="bf16",
                                 row_chunk=16 if ctx.dry_run else 1024)
-    trainer = train_mod._Trainer(cfg, target, device, dist)
+    trainer = train_mod.Trainer(cfg, target, device, dist)
     vocab = target.config.vocab_size
     raw = cost_probe.probe_batch(vocab, 128 if ctx.dry_run else 2048, 32 if ctx.dry_run else 512, device)
     tokens = (raw.tokens + dist.rank) % vocab
@@ -461,7 +453,7 @@ def distributed_step(ctx: Context) -> dict:
     result_path = ctx.out / "steps" / "distributed_worker.json"
     result_path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(REPO / "scripts" / "gpu_check.py"), "--distributed-worker", "--out", str(ctx.out),
+               "-m", "scripts.gpu_check", "--distributed-worker", "--out", str(ctx.out),
                "--build-dir", str(ctx.build_dir), *(["--dry-run"] if ctx.dry_run else [])]
     done = subprocess.run(command, cwd=REPO)  # the parent's budget kills the process group if it hangs
     if done.returncode or not result_path.exists():
@@ -479,13 +471,13 @@ def distributed_step(ctx: Context) -> dict:
 
 
 def gpu_engine(ctx: Context) -> dict:
-    import gpu_check_engine
+    from scripts import gpu_check_engine
 
     return gpu_check_engine.gpu_engine(ctx)
 
 
 def gpu_engine_demo(ctx: Context) -> dict:
-    import gpu_check_engine
+    from scripts import gpu_check_engine
 
     return gpu_check_engine.gpu_engine_demo(ctx)
 

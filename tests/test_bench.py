@@ -161,8 +161,8 @@ def test_triton_sweep_through_the_real_server(engines, tmp_path, monkeypatch):
 
 # -- a killed run resumes -------------------------------------------------------------
 
-from clover import bench as bench_module  # noqa: E402
-from clover.bench import run_key  # noqa: E402
+from clover.bench import sweeps as bench_module  # noqa: E402
+from clover.bench.samples import run_key  # noqa: E402
 
 REAL_RUN_DECODE = bench_module.run_decode
 NEW_TOKENS = 6  # the warm-ups decode min(4, NEW_TOKENS) = 4 tokens: that tells them from the measurements
@@ -343,15 +343,15 @@ def test_aims_pair_each_repeat_with_its_own_vanilla_run():
 def test_peers_and_passes_sweeps_measure_what_runs_here_and_say_what_was_left_out(engines, tmp_path, monkeypatch):
     """The peer runtimes are optional: a missing one is left out with its install hint, and the lines that run
     here (Clover's decoding and target passes) are measured and paired as the aims say."""
-    import clover.genai
-    import clover.llamacpp
+    import clover.bench.genai
+    import clover.bench.llamacpp
     from clover.config import ConfigError
 
     def missing(*args, **kwargs):
         raise ConfigError("not installed here (test)")
 
-    monkeypatch.setattr(clover.genai, "require_genai", missing)
-    monkeypatch.setattr(clover.llamacpp, "require_llama_cpp", missing)
+    monkeypatch.setattr(clover.bench.genai, "require_genai", missing)
+    monkeypatch.setattr(clover.bench.llamacpp, "require_llama_cpp", missing)
     clover_engine, medusa = engines
     out = tmp_path / "report"
     assert bench_main(["--engine", str(clover_engine), "--vanilla-engine", f"other={medusa}", "--output", str(out),

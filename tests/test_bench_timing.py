@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from clover.bench import TimedEngine, step_split
+from clover.bench.sweeps import TimedEngine, step_split
 
 
 class FakeClock:

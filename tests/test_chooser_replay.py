@@ -1,24 +1,15 @@
 """benchmarks/chooser_replay.py: its acceptance tables are what the decode loop accepts, step for step."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmarks import chooser_replay as replay_mod
 from clover.adaptive import CostModel
 from clover.backends.torch import TorchEngine
 from clover.config import TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from tests.conftest import make_drafter, make_target
 from tests.helpers import OracleEngine, hf_greedy, random_prompts
-
-_spec = importlib.util.spec_from_file_location(
-    "chooser_replay", Path(__file__).resolve().parents[1] / "benchmarks" / "chooser_replay.py")
-replay_mod = importlib.util.module_from_spec(_spec)
-sys.modules["chooser_replay"] = replay_mod  # its dataclasses look their module up
-_spec.loader.exec_module(replay_mod)
 
 NEW = 24
 

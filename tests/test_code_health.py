@@ -1,4 +1,5 @@
-"""Structural rules of the code base: no import cycles in clover/ or training/, a light CLI import, short functions."""
+"""Structural rules of the code base: no import cycles in clover/ or training/, a light CLI import, short functions,
+no private names used across modules, no sys.path edits outside tests."""
 
 from __future__ import annotations
 
@@ -190,6 +191,15 @@ def test_no_import_cycles_in_training():
     assert not cycles, "import cycles among clover and training modules:\n" + "\n".join(cycles)
 
 
+def test_the_core_does_not_import_the_benchmark():
+    """clover/bench/ measures the product; nothing else in clover/ imports it (function-level imports count)."""
+    graph = import_graph()
+    assert "clover.bench.genai" in graph["clover.bench.sweeps"], "the graph was not read"
+    found = [f"{module} -> {target}" for module, edges in graph.items() if not module.startswith("clover.bench")
+             for target in edges if target == "clover.bench" or target.startswith("clover.bench.")]
+    assert not found, "the core imports the benchmark:\n" + "\n".join(found)
+
+
 def test_cli_import_does_not_load_the_serving_package():
     code = ("import sys, clover.cli; "
             "print('\\n'.join(m for m in sys.modules if m == 'clover.serving' or m.startswith('clover.serving.')))")
@@ -217,3 +227,108 @@ def long_functions() -> list[str]:
 def test_no_function_longer_than_80_lines():
     found = long_functions()
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _skipped(parts: tuple[str, ...]) -> bool:
+    """Test folders (tests/, trt_plugins/tests/) may use private names and edit sys.path; hidden folders, virtual
+    environments and build outputs are not the code base."""
+    return any(p.startswith(".") or p in ("tests", "build", "dist", "site-packages") for p in parts[:-1])
+
+
+def source_files(root: Path | None = None) -> list[Path]:
+    """Every .py file of the code base outside tests/."""
+    root = root or ROOT
+    return [p for p in sorted(root.rglob("*.py")) if not _skipped(p.relative_to(root).parts)]
+
+
+def private_name_uses(path: Path, root: Path | None = None) -> list[str]:
+    """``from X import _name`` and ``X._name`` where X is a name bound by an import (a module, or a name taken
+    from one): a module reaching into another's private names. Dunder names (``__version__``) are public."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    where = path.relative_to(root or ROOT)
+    imported, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.asname or alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported |= {alias.asname or alias.name for alias in node.names}
+            found += [f"{where}:{node.lineno} from {'.' * node.level}{node.module or ''} import {alias.name}"
+                      for alias in node.names if _is_private(alias.name)]
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and _is_private(node.attr) and isinstance(node.value, ast.Name)
+                and node.value.id in imported):
+            found.append(f"{where}:{node.lineno} {node.value.id}.{node.attr}")
+    return found
+
+
+def test_private_name_check_catches_both_forms(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("from clover.client import _hidden\n")  # tests/ may
+    (tmp_path / "bad.py").write_text("import clover.client as client\nfrom clover import cli\n"
+                                     "from clover.client import _hidden, __version__\n"
+                                     "x = client._hidden + cli._main + client.public\n")
+    found = [use for path in source_files(tmp_path) for use in private_name_uses(path, tmp_path)]
+    assert found == ["bad.py:3 from clover.client import _hidden", "bad.py:4 client._hidden", "bad.py:4 cli._main"]
+
+
+def test_no_private_names_used_across_modules():
+    files = source_files()
+    assert len(files) > 50, "the code base was not read"
+    found = [use for path in files for use in private_name_uses(path)]
+    assert not found, "private names used across modules (make them public or move them):\n" + "\n".join(found)
+
+
+# The one sys.path edit outside tests: the checkout's old build entry point finds its own package from anywhere
+# (tests/test_cli.py runs it from another folder, where another clover may be installed).
+SYS_PATH_EXEMPT = ("export/build_engine.py",)
+SYS_PATH_METHODS = ("insert", "append", "extend", "remove", "pop", "clear")
+
+
+def _is_sys_path(node: ast.AST) -> bool:
+    """``sys.path`` itself, or an item or slice of it."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    return (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+            and node.value.id == "sys")
+
+
+def _edits_sys_path(node: ast.AST) -> bool:
+    if isinstance(node, ast.Call):
+        return (isinstance(node.func, ast.Attribute) and node.func.attr in SYS_PATH_METHODS
+                and _is_sys_path(node.func.value))
+    if isinstance(node, (ast.Assign, ast.Delete)):
+        return any(_is_sys_path(target) for target in node.targets)
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return _is_sys_path(node.target)
+    return False
+
+
+def sys_path_edits(path: Path, root: Path | None = None) -> list[str]:
+    """Each place in one file that changes ``sys.path`` (calls of its list methods, assignments, ``del``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    where = path.relative_to(root or ROOT)
+    return [f"{where}:{line}" for line in sorted(node.lineno for node in ast.walk(tree) if _edits_sys_path(node))]
+
+
+def test_sys_path_check_catches_every_form(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("import sys\nsys.path.insert(0, 'x')\n")  # tests/ may
+    (tmp_path / "bad.py").write_text("import sys\nsys.path.insert(0, 'a')\nsys.path.append('b')\n"
+                                     "sys.path[:0] = ['c']\nsys.path += ['d']\nsys.path = []\n"
+                                     "print(sys.path[0], 'x' in sys.path)\n")
+    found = [edit for path in source_files(tmp_path) for edit in sys_path_edits(path, tmp_path)]
+    assert found == [f"bad.py:{line}" for line in (2, 3, 4, 5, 6)]
+
+
+def test_no_sys_path_edits_outside_tests():
+    """training/, benchmarks/ and scripts/ run as ``python -m PACKAGE.MODULE`` from the repository root (the GPU
+    check's wrapper sets PYTHONPATH), so they import clover, training... as packages."""
+    files = source_files()
+    assert len(files) > 50, "the code base was not read"
+    found = [edit for path in files if str(path.relative_to(ROOT)) not in SYS_PATH_EXEMPT
+             for edit in sys_path_edits(path)]
+    assert not found, "sys.path edited outside tests/ (run the script with python -m instead):\n" + "\n".join(found)

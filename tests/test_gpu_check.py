@@ -115,11 +115,10 @@ def test_help_names_every_step():
 
 def test_sdpa_stand_in_equals_the_reference_op():
     """The timings compare the kernel with an SDPA path that computes the same attention."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from gpu_check_attention import SdpaAttention
-
     from clover.attention import pack_mask, tree_attention
-    from gpu_checks import random_tree_visible
+    from scripts.gpu_check_attention import SdpaAttention, gpu_checks_module
+
+    random_tree_visible = gpu_checks_module().random_tree_visible
 
     batch, tokens, slots = 3, 37, 12  # two mask words, mixed past lengths, a cache of max(past) slots
     gen = torch.Generator().manual_seed(0)

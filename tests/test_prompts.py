@@ -71,7 +71,7 @@ def test_copy_prompts_are_not_mtbench():
 
 
 def test_bench_offers_the_copy_workload():
-    from clover.bench import bench_prompts, parse_args
+    from clover.bench.sweeps import bench_prompts, parse_args
 
     notes: list[str] = []
     texts = bench_prompts("copy", notes)

@@ -438,7 +438,7 @@ def test_llama_cpp_is_optional(monkeypatch):
     """llama-cpp-python is an optional extra: where it is missing the error says how to install it."""
     import sys
 
-    from clover.llamacpp import INSTALL_HINT, require_llama_cpp
+    from clover.bench.llamacpp import INSTALL_HINT, require_llama_cpp
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
     with pytest.raises(ConfigError, match="llama-cpp-python is not installed"):

@@ -112,7 +112,7 @@ def test_two_torchrun_processes_equal_one_process_and_grad_accumulation(setup, t
              "--decoder-heads", "2", "--batch-tokens", "160", "--row-chunk", "48", "--lr", "3e-3", "--epochs", "2",
              "--save-every", "2", "--log-every", "1", "--seed", "0", "--device", "cpu", "--no-progress"]
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             "training/train.py", *flags, "--output", str(tmp_path / "two")],
+                             "-m", "training.train", *flags, "--output", str(tmp_path / "two")],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(result.stdout.strip().splitlines()) == 1, "one summary line, from rank 0"

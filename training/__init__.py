@@ -10,6 +10,6 @@ Stages, one command each (see ``training/README.md``)::
     cost_probe.py    per-token time and memory of a training step (docs/train-your-own.md)
     evaluate.py      teacher-forced per-head accuracy + accepted tokens per step
 
-The scripts run as ``python training/<stage>.py`` from the repository root, or
-as modules (``python -m training.<stage>``).
+The stages run as modules from the repository root: ``python -m training.<stage>`` (they import ``clover``
+and ``training`` as packages; none edits ``sys.path``).
 """

@@ -17,29 +17,29 @@ METHODS=(clover medusa clover-no-augment clover-mlp-regressive clover-no-regress
 step() { echo "== $(date -u +%H:%M:%S) $*" >&2; }
 
 step prompts
-[ -f "$OUT/prompts/train.jsonl" ] || python training/data.py --output "$OUT/prompts"
+[ -f "$OUT/prompts/train.jsonl" ] || python -m training.data --output "$OUT/prompts"
 step engines
 [ -f engines/demo-vanilla/engine.json ] || \
   clover build --target demo --drafter none --max-seq 1024 --output engines/demo-vanilla
-[ -d engines/demo-features ] || python training/hidden_cache.py --make-feature-engine engines/demo-features --target demo
+[ -d engines/demo-features ] || python -m training.hidden_cache --make-feature-engine engines/demo-features --target demo
 for split in eval train; do
   limit=$EVAL_PROMPTS; [ "$split" = train ] && limit=$TRAIN_PROMPTS
   step "distill $split ($limit prompts)"
-  python training/distill.py --prompts "$OUT/prompts/$split.jsonl" --engine engines/demo-vanilla \
+  python -m training.distill --prompts "$OUT/prompts/$split.jsonl" --engine engines/demo-vanilla \
     --output "$OUT/distill/$split.jsonl" --limit "$limit" --batch-size 32
   step "cache $split"
-  python training/hidden_cache.py --engine engines/demo-features --distill "$OUT/distill/$split.jsonl" \
+  python -m training.hidden_cache --engine engines/demo-features --distill "$OUT/distill/$split.jsonl" \
     --output "$OUT/cache/$split"
 done
 heads=()
 for method in "${METHODS[@]}"; do
   step "train $method"
   [ -f "$OUT/runs/$method/model.safetensors" ] || \
-    python training/train.py --config training/configs/ablation.json --method "$method" \
+    python -m training.train --config training/configs/ablation.json --method "$method" \
       --cache "$OUT/cache/train" --output "$OUT/runs/$method" --no-progress
   heads+=(--heads "$method=$OUT/runs/$method")
 done
 step evaluate
-python training/evaluate.py "${heads[@]}" --cache "$OUT/cache/eval" --prompts "$OUT/distill/eval.jsonl" \
+python -m training.evaluate "${heads[@]}" --cache "$OUT/cache/eval" --prompts "$OUT/distill/eval.jsonl" \
   --per-category "$PER_CATEGORY" --max-new-tokens 96 --output "$OUT/eval"
 step done

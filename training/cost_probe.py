@@ -1,7 +1,7 @@
 """Per-token cost of training heads: the target's forward pass and one training step, time and memory.
 
-    python training/cost_probe.py --target demo --device cpu --threads 2
-    python training/cost_probe.py --shape llama3-8b --device cuda --grad-checkpoint   # random weights, bf16
+    python -m training.cost_probe --target demo --device cpu --threads 2
+    python -m training.cost_probe --shape llama3-8b --device cuda --grad-checkpoint   # random weights, bf16
 
 Random token ids (the cost does not depend on the text), ``--batch-tokens`` per step in sequences of
 ``--seq-len``, the second half of each an answer (so about half the positions are roots). It times
@@ -22,14 +22,11 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from clover.config import TargetConfig  # noqa: E402
-from training import batches as batches_mod  # noqa: E402
-from training import forward as forward_mod  # noqa: E402
-from training import train as train_mod  # noqa: E402
-from training.features import online_hidden_states, online_target_dtype, peak_memory_mb, stored_dtype  # noqa: E402
+from clover.config import TargetConfig
+from training import batches as batches_mod
+from training import forward as forward_mod
+from training import train as train_mod
+from training.features import online_hidden_states, online_target_dtype, peak_memory_mb, stored_dtype
 
 SHAPES = {  # config.json values of the published checkpoints
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -101,7 +98,7 @@ def probe(args) -> dict:
     cfg = train_mod.TrainConfig(method=args.method, cache="-", output="-", num_heads=args.num_heads,
                                 row_chunk=args.row_chunk, autocast=args.autocast, grad_checkpoint=args.grad_checkpoint,
                                 labels=args.labels, draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size)
-    trainer = train_mod._Trainer(cfg, target, device)
+    trainer = train_mod.Trainer(cfg, target, device)
     roots = int(forward_mod.find_roots(full, args.num_heads).valid[:, 0].sum())
     step_s, step_cpu = timed(lambda: trainer.step([full], 1e-4), args.repeats, device)
     layer_params = sum(p.numel() for p in target.layers[0].parameters())

@@ -1,6 +1,6 @@
 """Learning curves and a recipe table from training runs' ``eval_log.jsonl`` (issue 12).
 
-    python training/curves.py --run hard=outputs/runs/ablation-hard --run soft=outputs/runs/ablation-soft \\
+    python -m training.curves --run hard=outputs/runs/ablation-hard --run soft=outputs/runs/ablation-soft \\
         --output docs/results/heads-sharegpt
 
 Per run: the last curve point (held-out teacher-forced top-1, top-5 and

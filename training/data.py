@@ -1,6 +1,6 @@
 """Build the prompt set for self-distillation from offline sources (docs/demo.md#offline-training-data).
 
-    python training/data.py --output data/prompts
+    python -m training.data --output data/prompts
 
 Sources (installed by ``bash training/install_sources.sh``; nothing is downloaded here):
 

@@ -1,6 +1,6 @@
 """Anneal a training run's checkpoint into shippable heads, without touching the run: a decay branch.
 
-    python training/decay_branch.py outputs/runs/scale-clover-eagle3 --output outputs/branches/scale-250
+    python -m training.decay_branch outputs/runs/scale-clover-eagle3 --output outputs/branches/scale-250
 
 A run on a long schedule is still near its peak learning rate midway, so heads taken from its checkpoint are
 not the heads it would ship if it stopped there (docs/drafter.md#training-at-scale-and-exact-resume). A branch starts from the
@@ -21,12 +21,9 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from clover.config import ConfigError  # noqa: E402
-from training.run_dir import RUN_CONFIG_FILE, STATE_FILE, save_atomic  # noqa: E402
-from training.train import TrainConfig, train  # noqa: E402
+from clover.config import ConfigError
+from training.run_dir import RUN_CONFIG_FILE, STATE_FILE, save_atomic
+from training.train import TrainConfig, train
 
 BRANCH_FILE = "branch.json"  # where the branch came from: run, step S and N, fixed when it starts
 

@@ -1,6 +1,6 @@
 """Why does a deeper tree not accept more? Acceptance per depth and the trees built (issue 12, part 4).
 
-    python training/depth_probe.py --heads clover/assets/smollm2-135m-instruct/clover \\
+    python -m training.depth_probe --heads clover/assets/smollm2-135m-instruct/clover \\
         --depths 1,2,3 --budget 8 --prompts 6 --output docs/results/bench-heads5/probe.json
 
 Greedy decoding, one sequence at a time, fixed tree (``TreeConfig(budget, depth,
@@ -28,9 +28,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def record_trees(decoder_module):

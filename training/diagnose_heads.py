@@ -1,6 +1,6 @@
 """Diagnose how draft heads use the token they are given (issue 28; docs/results/heads-token-path).
 
-    python training/diagnose_heads.py --heads clover=clover/assets/smollm2-135m-instruct/clover \\
+    python -m training.diagnose_heads --heads clover=clover/assets/smollm2-135m-instruct/clover \\
         --heads medusa=clover/assets/smollm2-135m-instruct/medusa --output docs/results/heads-token-path
 
 On the target's own greedy answers to MT-bench first turns (evaluation only: never train on them), decoded
@@ -27,10 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import torch
 
 
 def greedy_outputs(path: Path, engine_dir: str | None, target: str, limit: int | None, max_new_tokens: int,

@@ -1,6 +1,6 @@
 """Self-distillation: the target answers every prompt with the project's batched engine.
 
-    python training/distill.py --prompts data/prompts/train.jsonl \\
+    python -m training.distill --prompts data/prompts/train.jsonl \\
         --engine engines/demo-vanilla --output data/distill/train.jsonl
 
 Each prompt is rendered with the tokenizer's chat template and decoded by
@@ -32,9 +32,6 @@ import os
 import sys
 import time
 from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

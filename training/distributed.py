@@ -1,4 +1,4 @@
-"""Data-parallel training over torch.distributed: ``torchrun --nproc_per_node N training/train.py ...``.
+"""Data-parallel training over torch.distributed: ``torchrun --nproc_per_node N -m training.train ...``.
 
 Every process (rank) holds the frozen target and a replica of the drafter. One optimizer step
 reads one batch of the plan (:func:`training.batches.make_plan`, the same for any number of

@@ -1,8 +1,8 @@
 """Frequency-ranked draft vocabulary for a set of heads (FR-Spec, arXiv 2502.14856; docs/drafter.md#draft-vocabulary).
 
-    python training/draft_vocab.py --data outputs/data/sharegpt/teacher_train.jsonl \\
+    python -m training.draft_vocab --data outputs/data/sharegpt/teacher_train.jsonl \\
         --heads outputs/runs/clover --size 16384 --eval outputs/data/sharegpt/teacher_eval.jsonl
-    python training/draft_vocab.py --data outputs/data/distill/train.jsonl --output outputs/data/draft-vocab
+    python -m training.draft_vocab --data outputs/data/distill/train.jsonl --output outputs/data/draft-vocab
     # then: training/train.py --draft-vocab outputs/data/draft-vocab (heads trained over V')
 
 Counts how often each token id occurs in the training answers, then writes the
@@ -39,9 +39,6 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REPORT_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 

@@ -1,6 +1,6 @@
 """Evaluate trained heads: teacher-forced accuracy and accepted tokens per decode step.
 
-    python training/evaluate.py --heads clover=runs/clover --heads medusa=runs/medusa \\
+    python -m training.evaluate --heads clover=runs/clover --heads medusa=runs/medusa \\
         --cache data/cache/eval --prompts data/distill/eval.jsonl --target demo --output results/eval
 
 Two measurements per set of heads, on the eval split:
@@ -40,15 +40,12 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from clover.config import TreeConfig
 
-from clover.config import TreeConfig  # noqa: E402
-
-from training.data import CATEGORIES, CATEGORY_TITLES  # noqa: E402
-from training.accuracy import teacher_forced  # noqa: E402
-from training.hidden_cache import open_training_data  # noqa: E402
-from training.forward import pick_device  # noqa: E402
+from training.data import CATEGORIES, CATEGORY_TITLES
+from training.accuracy import teacher_forced
+from training.hidden_cache import open_training_data
+from training.forward import pick_device
 
 VARIANTS = ("heads", "heads+suffix", "suffix")  # MT-bench drafting variants (decode_rows)
 

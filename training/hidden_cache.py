@@ -1,6 +1,6 @@
 """Hidden-state cache: run the frozen target once, keep what the heads need.
 
-    python training/hidden_cache.py --distill data/distill/train.jsonl --target demo --output data/cache/train
+    python -m training.hidden_cache --distill data/distill/train.jsonl --target demo --output data/cache/train
 
 For every conversation (``prompt_ids + response_ids`` from ``distill.py``, cut to
 ``--max-len`` tokens) one causal pass of the torch target stores, per token:
@@ -39,9 +39,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CACHE_VERSION = 1
 INDEX_FILE, PLAN_FILE, PROGRESS_FILE = "index.json", "plan.json", "progress.json"
@@ -387,7 +384,6 @@ class HiddenCache(_ConversationSource):
         """``tokens`` and ``assistant_mask`` of conversation ``i`` only (``train.py --features online``)."""
         conv = self.conversation(i)
         return {"tokens": conv["tokens"], "assistant_mask": conv["assistant_mask"]}
-
 
 
 class LiveFeatures(_ConversationSource):

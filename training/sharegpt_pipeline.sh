@@ -38,14 +38,14 @@ stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
 if [[ $STAGE == data || $STAGE == all ]]; then
   stamp "data: ShareGPT records"
-  [[ -f $SG/stats.json ]] || python training/sharegpt.py --output $SG
-  [[ -d engines/demo-features ]] || python training/hidden_cache.py --make-feature-engine engines/demo-features --target demo
+  [[ -f $SG/stats.json ]] || python -m training.sharegpt --output $SG
+  [[ -d engines/demo-features ]] || python -m training.hidden_cache --make-feature-engine engines/demo-features --target demo
   stamp "data: eval cache"
-  python training/hidden_cache.py --engine engines/demo-features --distill $SG/teacher_eval.jsonl --limit "$EVAL_RECORDS" --output $CACHE/sharegpt-eval
+  python -m training.hidden_cache --engine engines/demo-features --distill $SG/teacher_eval.jsonl --limit "$EVAL_RECORDS" --output $CACHE/sharegpt-eval
   for k in $(seq 1 "$TRAIN_PARTS"); do
     read -r offset limit <<< "$(part_range "$k")"
     stamp "data: train cache part $k (records $offset..$(( offset + limit )))"
-    python training/hidden_cache.py --engine engines/demo-features --distill $SG/teacher_train.jsonl \
+    python -m training.hidden_cache --engine engines/demo-features --distill $SG/teacher_train.jsonl \
       --offset "$offset" --limit "$limit" --output "$(part_dir "$k")"
   done
 fi
@@ -54,7 +54,7 @@ if [[ $STAGE == distill ]]; then
   # produces, hence what the heads must predict on MT-bench); resumable, extend with a larger DISTILL_PROMPTS
   [[ -d engines/demo ]] || clover build --target demo --output engines/demo
   stamp "distill: $DISTILL_PROMPTS ShareGPT prompts"
-  python training/distill.py --prompts $SG/prompts_train.jsonl --output $SG/distill_train.jsonl --engine engines/demo \
+  python -m training.distill --prompts $SG/prompts_train.jsonl --output $SG/distill_train.jsonl --engine engines/demo \
     --limit "$DISTILL_PROMPTS" --batch-size 16 --max-new-tokens 256
 fi
 if [[ $STAGE == distill-cache ]]; then
@@ -63,7 +63,7 @@ if [[ $STAGE == distill-cache ]]; then
   records=$(wc -l < $SG/distill_train.jsonl)
   for k in $(seq 1 $(( records / part ))); do
     stamp "distill-cache: part $k (records $(( (k - 1) * part ))..$(( k * part )))"
-    python training/hidden_cache.py --engine engines/demo-features --distill $SG/distill_train.jsonl \
+    python -m training.hidden_cache --engine engines/demo-features --distill $SG/distill_train.jsonl \
       --offset $(( (k - 1) * part )) --limit "$part" --output $CACHE/sharegpt-distill-$k
   done
 fi
@@ -72,7 +72,7 @@ if [[ $STAGE == finetune ]]; then
   # answers it was not trained on, with the main runs' recipe
   distilled=$(ls -d $CACHE/sharegpt-distill-* | sort -V | paste -sd,)
   stamp "finetune: ${FINETUNE_METHOD:-clover} from ${FINETUNE_INIT:-clover/assets/smollm2-135m-instruct/clover}"
-  python training/train.py $COMMON --method "${FINETUNE_METHOD:-clover}" --cache "$distilled${FINETUNE_EXTRA:+,$FINETUNE_EXTRA}" \
+  python -m training.train $COMMON --method "${FINETUNE_METHOD:-clover}" --cache "$distilled${FINETUNE_EXTRA:+,$FINETUNE_EXTRA}" \
     --init "${FINETUNE_INIT:-clover/assets/smollm2-135m-instruct/clover}" --epochs "${FINETUNE_EPOCHS:-2}" \
     --lr "${FINETUNE_LR:-0.0005}" --eval-every "$EVAL_EVERY" --save-every "${SAVE_EVERY:-20}" $RECIPE \
     --max-tokens "${FINETUNE_MAX_TOKENS:-1000000000}" --output "${FINETUNE_OUTPUT:-outputs/runs/finetune-clover}"
@@ -84,7 +84,7 @@ if [[ $STAGE == ablation || $STAGE == all ]]; then
   for name in $ABLATIONS; do
     flags=${FLAGS[$name]}
     stamp "ablation: $name"
-    python training/train.py $COMMON --method clover --cache $CACHE/sharegpt-train --max-tokens "$ABLATION_TOKENS" \
+    python -m training.train $COMMON --method clover --cache $CACHE/sharegpt-train --max-tokens "$ABLATION_TOKENS" \
       --eval-every 1000000 --batch-tokens "${ABLATION_BATCH_TOKENS:-4096}" --log-every 2 --save-every 4 $flags \
       --output outputs/runs/ablation-$name
   done
@@ -92,13 +92,13 @@ fi
 if [[ $STAGE == main || $STAGE == all ]]; then
   for method in ${METHODS:-clover medusa}; do
     stamp "main: $method"
-    python training/train.py $COMMON --method $method --cache "$TRAIN_CACHES" --max-tokens "$MAIN_TOKENS" \
+    python -m training.train $COMMON --method $method --cache "$TRAIN_CACHES" --max-tokens "$MAIN_TOKENS" \
       --epochs 3 --eval-every "$EVAL_EVERY" --save-every "${SAVE_EVERY:-20}" $RECIPE --output outputs/runs/sharegpt-$method
   done
 fi
 if [[ $STAGE == eval || $STAGE == all ]]; then
   stamp "eval: MT-bench and teacher-forced"
-  python training/evaluate.py --heads clover=outputs/runs/sharegpt-clover --heads medusa=outputs/runs/sharegpt-medusa \
+  python -m training.evaluate --heads clover=outputs/runs/sharegpt-clover --heads medusa=outputs/runs/sharegpt-medusa \
     --heads shipped-clover=clover/assets/smollm2-135m-instruct/clover \
     --heads shipped-medusa=clover/assets/smollm2-135m-instruct/medusa \
     --cache $CACHE/sharegpt-eval --mtbench --mtbench-limit "$MTBENCH_LIMIT" --budgets "$BUDGETS" \

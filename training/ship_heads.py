@@ -1,6 +1,6 @@
 """Package trained heads for shipping: weights, config and a model card.
 
-    python training/ship_heads.py --run outputs/runs/clover --eval outputs/eval --name clover \\
+    python -m training.ship_heads --run outputs/runs/clover --eval outputs/eval --name clover \\
         --distill outputs/data/distill/train.jsonl --output clover/assets/smollm2-135m-instruct/clover
 
 Copies ``config.json`` and ``model.safetensors`` (fp16, as ``train.py`` saves
@@ -20,12 +20,9 @@ import shutil
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from clover.drafters import DRAFT_VOCAB_FILE  # noqa: E402
-from training.data import CATEGORY_TITLES  # noqa: E402
-from training.evaluate import markdown as eval_markdown, mtbench_markdown  # noqa: E402
+from clover.drafters import DRAFT_VOCAB_FILE
+from training.data import CATEGORY_TITLES
+from training.evaluate import markdown as eval_markdown, mtbench_markdown
 
 SHIPPED_FILES = ("config.json", "model.safetensors")
 TEACHER_FINISH_REASON = "sharegpt"  # training/sharegpt.py's teacher records: the answer is ShareGPT's, not the target's

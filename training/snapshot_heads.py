@@ -1,6 +1,6 @@
 """Write the heads of an unfinished training run's last checkpoint, to evaluate or try them mid-run.
 
-    python training/snapshot_heads.py outputs/runs/sharegpt-clover2 outputs/snapshots/clover2-step40
+    python -m training.snapshot_heads outputs/runs/sharegpt-clover2 outputs/snapshots/clover2-step40
 
 ``train.py`` saves the final heads only when a run finishes; its checkpoint
 (``train_state.pt``, written every ``--save-every`` steps) holds the weights
@@ -19,13 +19,10 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from clover.config import ConfigError  # noqa: E402
-from clover.drafters import save_drafter  # noqa: E402
-from training.run_dir import RUN_CONFIG_FILE, STATE_FILE  # noqa: E402
-from training.train import TrainConfig, build_drafter  # noqa: E402
+from clover.config import ConfigError
+from clover.drafters import save_drafter
+from training.run_dir import RUN_CONFIG_FILE, STATE_FILE
+from training.train import TrainConfig, build_drafter
 
 
 def snapshot(run_dir: Path, output: Path, target=None) -> dict:

@@ -1,6 +1,6 @@
 """Train Clover / Medusa / ablation heads on a hidden-state cache (docs/drafter.md#training).
 
-    python training/train.py --method clover --cache data/cache/train --output runs/clover \\
+    python -m training.train --method clover --cache data/cache/train --output runs/clover \\
         --max-tokens 600000
 
 The target is frozen; only the drafter learns. What one step computes, for each
@@ -69,21 +69,18 @@ import numpy as np
 import torch
 from torch import nn
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from clover.config import (DRAFTER_METHODS, TOKEN_PATHS, ConfigError, DrafterConfig,  # noqa: E402
+from clover.config import (DRAFTER_METHODS, TOKEN_PATHS, ConfigError, DrafterConfig,
                            resolve_feature_layers)
-from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, calibrate_token_scale, load_drafter,  # noqa: E402
+from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, calibrate_token_scale, load_drafter,
                              read_draft_vocab, save_drafter, set_draft_vocab)
-from training.accuracy import teacher_forced  # noqa: E402
-from training.batches import Batch, assistant_tokens, collate, plan_digest, plan_epochs  # noqa: E402
-from training.distributed import Distributed  # noqa: E402
-from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,  # noqa: E402
+from training.accuracy import teacher_forced
+from training.batches import Batch, assistant_tokens, collate, plan_digest, plan_epochs
+from training.distributed import Distributed
+from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,
                                online_target_dtype, peak_memory_mb, stored_dtype)
-from training.forward import find_roots, head_weights, pick_device, run_batch  # noqa: E402
-from training.hidden_cache import HiddenCache, open_training_data  # noqa: E402
-from training.run_dir import (EVAL_LOG_FILE, LOG_FILE, STATE_FILE, SUMMARY_FILE, CheckpointClock,  # noqa: E402
+from training.forward import find_roots, head_weights, pick_device, run_batch
+from training.hidden_cache import HiddenCache, open_training_data
+from training.run_dir import (EVAL_LOG_FILE, LOG_FILE, STATE_FILE, SUMMARY_FILE, CheckpointClock,
                               Progress, append_json_line, claim_output_on_main, drop_log_lines_after, save_atomic)
 
 LABELS = ("hard", "soft")
@@ -255,7 +252,7 @@ def _hardware(device: torch.device) -> str:
     return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
-class _Trainer:
+class Trainer:
     """The drafter, its optimizer and the frozen pieces that one training step needs."""
 
     def __init__(self, cfg: TrainConfig, target, device: torch.device, dist: Distributed | None = None) -> None:
@@ -393,7 +390,7 @@ def _train_rank(cfg: TrainConfig, target, on_step, out: Path, dist: Distributed,
 
     plan, epoch_ends = plan_epochs(cache.conversations, cfg.batch_tokens, cfg.epochs, cfg.seed, cfg.bucket_size,
                                    cfg.max_tokens)
-    trainer = _Trainer(cfg, target, device, dist)
+    trainer = Trainer(cfg, target, device, dist)
     if cfg.token_path == "scaled" and not cfg.init:  # the learned token scale starts at the data's root-state norm
         calibrate_token_scale(trainer.drafter, _root_state_sample(cache))
     progress = trainer.load_state(out / STATE_FILE, plan_digest(plan))
@@ -460,7 +457,7 @@ def _root_state_sample(cache, conversations: int = 8) -> torch.Tensor:
     return torch.cat(states)
 
 
-def _run_steps(trainer: _Trainer, cache: HiddenCache, plan: list[list[int]], progress: Progress, out: Path,
+def _run_steps(trainer: Trainer, cache: HiddenCache, plan: list[list[int]], progress: Progress, out: Path,
                on_step, curve: "_LearningCurve") -> None:
     """Train from ``progress.step`` to the end of ``plan``: log, checkpoint and show progress as configured.
 
@@ -512,7 +509,7 @@ class _Feeder:
     states the drafter needs: read from the cache by :func:`collate`, or computed by the target in
     :meth:`prepare` just before the micro-batch runs (``--features online``)."""
 
-    def __init__(self, cfg: TrainConfig, cache: HiddenCache, trainer: _Trainer) -> None:
+    def __init__(self, cfg: TrainConfig, cache: HiddenCache, trainer: Trainer) -> None:
         self.cfg, self.cache, self.trainer = cfg, cache, trainer
         self.need_input = trainer.drafter.augment is not None  # the Augmenting Block runs on the last layer's input
         self.need_last = not self.need_input or cfg.needs_target_hidden
@@ -541,7 +538,7 @@ class _LearningCurve:
     nothing, so a resumed run still ends bit for bit the same.
     """
 
-    def __init__(self, cfg: TrainConfig, trainer: "_Trainer", out: Path, epoch_ends: list[int]) -> None:
+    def __init__(self, cfg: TrainConfig, trainer: "Trainer", out: Path, epoch_ends: list[int]) -> None:
         self.cfg, self.trainer, self.out, self.path = cfg, trainer, out, out / EVAL_LOG_FILE
         self.epoch_of_end = {end: epoch + 1 for epoch, end in enumerate(epoch_ends)} if cfg.eval_epochs else {}
         wanted = cfg.eval_cache and (cfg.eval_every > 0 or cfg.eval_epochs) and trainer.dist.is_main
@@ -615,7 +612,7 @@ def _command_line() -> str | None:
     script = Path(sys.argv[0]) if sys.argv else None
     if script is None or script.parent.name != "training":
         return None
-    return f"python training/{script.name} " + " ".join(sys.argv[1:])
+    return f"python -m training.{script.stem} " + " ".join(sys.argv[1:])
 
 
 def _epoch_choice(eval_log: Path) -> dict:

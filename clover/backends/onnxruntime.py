@@ -31,7 +31,7 @@ from clover.engine_contract import (DRAFT_OUTPUTS, DRAFT_PREFILL_OUTPUTS, TARGET
 from clover.engine_dir import EngineMeta, engine_spec, read_engine_meta
 
 
-def _session(path: Path, threads: int | None):
+def open_session(path: Path, threads: int | None):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -92,16 +92,17 @@ class OnnxRuntimeEngine:
         for name in filter(None, (files.get(role) for role in ("target", "target_batched", "draft_step", "draft_prefill"))):
             if not (self.engine_dir / name).exists():
                 raise ConfigError(f"{engine_dir}: {name} is missing; rebuild the engine")
-        self.target_session = _session(self.engine_dir / files["target"], threads)
+        self.target_session = open_session(self.engine_dir / files["target"], threads)
         self.in_place = meta.attention == "gqa"  # contract v3: the target writes the KV cache itself
         self.runs_batched_trees_apart = self.in_place  # in target_batched.onnx: the cost model prices them apart
         batched = files.get("target_batched")
-        self.batched_session = _session(self.engine_dir / batched, threads) if self.in_place and batched else None
+        self.batched_session = open_session(self.engine_dir / batched, threads) if self.in_place and batched else None
         if self.in_place and self.batched_session is None:
             raise ConfigError(f"{engine_dir}: a gqa engine needs target_batched.onnx; rebuild the engine")
-        self.draft_session = _session(self.engine_dir / files["draft_step"], threads) if files.get("draft_step") else None
+        draft = files.get("draft_step")
+        self.draft_session = open_session(self.engine_dir / draft, threads) if draft else None
         prefill = files.get("draft_prefill")
-        self.prefill_session = _session(self.engine_dir / prefill, threads) if prefill else None
+        self.prefill_session = open_session(self.engine_dir / prefill, threads) if prefill else None
         self.spec = engine_spec(meta)
         self.cost_model = meta.cost_model  # None unless calibrated
         num_kv = self.spec.num_kv_layers

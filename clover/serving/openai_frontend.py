@@ -43,7 +43,7 @@ from typing import AsyncIterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from clover.client import _as_array, _chunk, request_fields, tokens_per_step  # the model's tensor mapping
+from clover.client import chunk_from_outputs, input_array, request_fields, tokens_per_step  # the model's tensor mapping
 from clover.config import sampling_range_error
 from clover.prompts import encode_prompt
 
@@ -308,7 +308,7 @@ class TritonGateway:
     def _inputs(self, fields: dict) -> list:
         inputs = []
         for name, value in fields.items():
-            array, datatype = _as_array(name, value)
+            array, datatype = input_array(name, value)
             tensor = self._aio.InferInput(name, list(array.shape), datatype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
@@ -330,7 +330,7 @@ class TritonGateway:
                     finished = True
                     raise model_error(error.message(), request.params)
                 outputs = {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
-                chunk = _chunk(outputs, time.perf_counter())
+                chunk = chunk_from_outputs(outputs, time.perf_counter())
                 finished = chunk.finish_reason is not None
                 yield chunk
                 if finished:

@@ -29,7 +29,7 @@ sweep. ``--quick`` runs small sweeps (a smoke test, not evidence).
 * ``peers`` (only when named in ``--sweeps``; optional extras ``bench`` and ``llamacpp``): the runtimes a CPU
   user would compare, at batch 1 on the same prompt token ids and ``--threads``, interleaved: vanilla and the
   ``clover generate`` defaults on the engine (and vanilla on any ``--vanilla-engine``), onnxruntime-genai
-  greedy on its model builder's CPU int4 graph of the engine's own target checkpoint (:mod:`clover.genai`), and
+  greedy on its model builder's CPU int4 graph of the engine's own target checkpoint (:mod:`clover.bench.genai`), and
   llama.cpp greedy on the demo GGUF. Each peer that is not installed is left out with a note.
 * ``passes`` (only when named in ``--sweeps``): one target pass of T = 1, 2, 4, 8, 16 new tokens after
   ``--pass-past`` cached ones at batch 1, on the engine, each ``--vanilla-engine`` and the builder's graph
@@ -76,9 +76,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from clover.stats import tokens_per_step
+from clover.bench.report import METRICS, aims, markdown, plot, step_costs, summarize
+from clover.bench.samples import PROGRESS_FILE, SAMPLES_FILE, SampleStore, run_key, sample_key
 from clover.config import ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.stats import tokens_per_step
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -94,21 +96,6 @@ SWEEPS = ("batch", "budget", "heads", "hf", "triton")
 # run only when named in --sweeps (llama-cpp-python and onnxruntime-genai are optional extras)
 OPTIONAL_SWEEPS = ("llamacpp", "peers", "passes")
 PASS_TOKENS = (1, 2, 4, 8, 16)
-# what each sweep reports per configuration (median and min–max over repeats)
-METRICS = {"batch": ("tokens_per_s", "tokens_per_step", "target_ms", "draft_ms", "host_ms"),
-           "budget": ("tokens_per_s", "tokens_per_step"),
-           "heads": ("tokens_per_s", "tokens_per_step", "tree_depth"),
-           "hf": ("tokens_per_s", "tokens_per_step"),
-           "llamacpp": ("tokens_per_s", "tokens_per_step", "target_ms", "draft_ms", "host_ms"),
-           "peers": ("tokens_per_s", "tokens_per_step"),
-           "passes": ("target_ms",),
-           "triton": ("tokens_per_s", "tokens_per_step", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
-METRIC_TITLES = {"tokens_per_s": "tokens/s", "tokens_per_step": "tokens/step",
-                 "tree_depth": "tree depth reached (mean deepest level per step)",
-                 "target_ms": "target pass (ms per step)", "draft_ms": "draft steps (ms per step)",
-                 "host_ms": "host work: all but onnxruntime's runs (ms per step)",
-                 "ttft_p50_ms": "time to first token p50 (ms)", "ttft_p99_ms": "time to first token p99 (ms)",
-                 "itl_p50_ms": "inter-token latency p50 (ms)", "itl_p99_ms": "inter-token latency p99 (ms)"}
 X_LABELS = {"batch": "batch size", "budget": "tree budget (draft nodes)", "heads": "heads used (tree depth)",
             "hf": "batch", "triton": "concurrent streams", "llamacpp": "batch", "peers": "batch",
             "passes": "new tokens in the pass (T)"}
@@ -305,121 +292,6 @@ def run_triton(triton: TritonSweep, config: Config, texts: list[str], repeat: in
             "itl_p50_ms": itl.get("p50_ms"), "itl_p99_ms": itl.get("p99_ms")}
 
 
-def summarize(samples: list[dict], key: str) -> dict | None:
-    values = [s[key] for s in samples if s.get(key) is not None]
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-# -- samples on disk: a killed run resumes ---------------------------------------
-
-SAMPLES_FILE, PROGRESS_FILE = "samples.jsonl", "bench_progress.json"
-# settings that change nothing measured: where the results go, what is printed, how the run starts; --quick
-# only sets the defaults of other settings, which the key holds as resolved
-NOT_IN_RUN_KEY = ("argv", "output", "silent", "fresh", "quick", "triton_startup_timeout")
-
-
-def run_key(args) -> dict:
-    """The settings that decide what a run measures (engine directories resolved): a resumed run must match."""
-    key = {name: value for name, value in vars(args).items() if name not in NOT_IN_RUN_KEY}
-    for name in ("engine", "medusa_engine"):
-        if key.get(name):
-            key[name] = str(Path(key[name]).resolve())
-    key["extra_engine"] = [[label, str(Path(directory).resolve())] for label, directory in args.extra_engine]
-    return json.loads(json.dumps(key))  # tuples as lists: compares equal to the copy read back from JSON
-
-
-def sample_key(sample: dict) -> tuple:
-    """What a sample measured: one per (sweep, configuration, x, repeat) in a run."""
-    return sample["sweep"], sample["method"], sample["x"], sample["repeat"]
-
-
-def _parse_sample(line: bytes) -> dict | None:
-    try:
-        sample = json.loads(line)
-        sample_key(sample)
-    except (ValueError, TypeError, KeyError):
-        return None
-    return sample
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """A kill leaves the old file or the new one, never half of one."""
-    partial = path.with_name(path.name + ".partial")
-    with partial.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
-
-
-class SampleStore:
-    """The samples of a run in ``<output>/samples.jsonl``, one JSON line each, appended and flushed as each one
-    is measured, and in ``<output>/bench_progress.json`` the run key they belong to (and a cost model
-    calibrated by the run, so a resumed run's adaptive clover uses the same one).
-
-    Opening it on a directory of another run (another key) raises :class:`ConfigError`; ``fresh`` discards
-    what is there first.
-    """
-
-    def __init__(self, output: Path, key: dict, fresh: bool = False) -> None:
-        output.mkdir(parents=True, exist_ok=True)
-        self.path, self.progress_path = output / SAMPLES_FILE, output / PROGRESS_FILE
-        if fresh:
-            self.path.unlink(missing_ok=True)
-            self.progress_path.unlink(missing_ok=True)
-        self.progress = self._check_key(key)
-        self.dropped = 0  # lines of samples.jsonl not read back: cut by a kill mid-write, or duplicates
-        self.samples = self._load()
-
-    def _check_key(self, key: dict) -> dict:
-        retry = "pass --fresh to discard them and start over, or use another --output"
-        if not self.progress_path.exists():
-            if self.path.exists():
-                raise ConfigError(f"{self.path} has samples but no {PROGRESS_FILE} saying what they measured; {retry}")
-            progress = {"run_key": key}
-            _write_atomically(self.progress_path, json.dumps(progress, indent=1) + "\n")
-            return progress
-        try:
-            progress = json.loads(self.progress_path.read_text())
-            stored = progress["run_key"]
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{self.progress_path} is unreadable; {retry}") from None
-        if stored != key:
-            changed = sorted(name for name in set(stored) | set(key) if stored.get(name) != key.get(name))
-            raise ConfigError(f"{self.path.parent} holds samples of a run with other settings "
-                              f"(different: {', '.join(changed)}); {retry}")
-        return progress
-
-    def _load(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        *lines, cut = self.path.read_bytes().split(b"\n")  # cut: b"" unless a kill stopped a line mid-write
-        samples, seen = [], set()
-        for sample in filter(None, map(_parse_sample, lines)):
-            if sample_key(sample) not in seen:
-                seen.add(sample_key(sample))
-                samples.append(sample)
-        self.dropped = len(lines) - len(samples) + bool(cut)
-        if self.dropped:  # rewritten, so the next sample does not start on the cut line
-            _write_atomically(self.path, "".join(json.dumps(s) + "\n" for s in samples))
-        return samples
-
-    def add(self, sample: dict) -> None:
-        """Appends ``sample`` and flushes it to disk before the next measurement starts."""
-        with self.path.open("a") as f:
-            f.write(json.dumps(sample) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self.samples.append(sample)
-
-    def remember(self, name: str, value) -> None:
-        """Stores ``value`` with the run key (read back by a resumed run from :attr:`progress`)."""
-        self.progress[name] = value
-        _write_atomically(self.progress_path, json.dumps(self.progress, indent=1) + "\n")
-
-
 def _rotated(rows: list, repeat: int) -> list:
     shift = repeat % max(len(rows), 1)
     return rows[shift:] + rows[:shift]
@@ -554,7 +426,7 @@ def _load_llamacpp(args, engine, notes: list[str]) -> dict:
     """llama.cpp instances for the ``llamacpp`` sweep (greedy, prompt lookup), or {} with a note where it
     cannot run: llama-cpp-python missing, or the engine's target is not the demo GGUF's model."""
     from clover.demo import DEMO_NAME
-    from clover.llamacpp import build_info, load_llama, wait_policy
+    from clover.bench.llamacpp import build_info, load_llama, wait_policy
 
     if Path(str(engine.meta.source.get("target"))).name != DEMO_NAME:  # the demo checkpoint's cache directory
         notes.append("llama.cpp sweep skipped: the engine's target is not the demo GGUF's model.")
@@ -578,7 +450,7 @@ def _load_peers(args, engine, notes: list[str]) -> tuple[dict, dict]:
     ``(prompt ids, max_new) -> sample`` and ``(tokens, past) -> None``; a note for each left out."""
     import functools
 
-    from clover.genai import BuilderGraphPass, build_genai_model, load_genai, run_genai
+    from clover.bench.genai import BuilderGraphPass, build_genai_model, load_genai, run_genai
 
     decoders, passes, threads = {}, {}, args.threads or os.cpu_count()
     if "peers" in args.sweeps:
@@ -604,7 +476,7 @@ def _load_peers(args, engine, notes: list[str]) -> tuple[dict, dict]:
 
 
 def run_llamacpp_sample(llama, prompt: list[int], max_new: int) -> dict:
-    from clover.llamacpp import run_llamacpp
+    from clover.bench.llamacpp import run_llamacpp
 
     return run_llamacpp(llama, prompt, max_new)
 
@@ -818,7 +690,7 @@ def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, st
         if config.method in engines["peers"]:
             return engines["peers"][config.method](prompts[repeat % len(prompts)], max_new)
         if config.method.startswith("llamacpp-"):
-            from clover.llamacpp import run_llamacpp
+            from clover.bench.llamacpp import run_llamacpp
 
             return run_llamacpp(engines["llamacpp"][config.method], prompts[repeat % len(prompts)], max_new)
         if config.method.startswith("hf-"):
@@ -866,183 +738,6 @@ def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, st
         "notes": notes,
         "samples": samples,
     }
-
-
-def step_costs(cost_model, batch_sizes: list[int], budget: int, depth: int, top_k: int) -> list[dict]:
-    """Where a speculative step's time goes, from the cost model (measured at calibration on this engine).
-
-    Per batch size B: one vanilla step (a target pass over B tokens), one speculative step at ``budget``
-    (a target pass over B(1+budget) tokens plus the draft steps, plus for Clover-2 its ``draft_prefill``
-    over at least one accepted position per sequence), and their ratio: the tokens/step a
-    speculative step must reach just to match vanilla tokens/s (a lower bound for Clover-2, whose prefill
-    grows with the accepted tokens).
-    """
-    rows = []
-    for batch in batch_sizes:
-        vanilla = cost_model.target_time(batch)
-        verify = cost_model.target_time(batch * (1 + budget))
-        draft = cost_model.draft_time(batch, budget, depth, top_k)
-        prefill = cost_model.draft_prefill_time(batch)  # 0 without draft_prefill
-        rows.append({"batch": batch, "vanilla_ms": 1000 * vanilla, "verify_ms": 1000 * verify,
-                     "draft_ms": 1000 * draft, "draft_prefill_ms": 1000 * prefill,
-                     "break_even_tokens_per_step": (verify + draft + prefill) / vanilla})
-    return rows
-
-
-def paired_ratio(samples: list[dict], sweep: str, num: str, den: str, x) -> dict | None:
-    """``num``'s tokens/s ÷ ``den``'s, one ratio per repeat, as :func:`summarize` gives them. A repeat runs every
-    configuration of the sweep back to back on the same prompts, so the pair shares both: the ratio drops the
-    prompts' and the machine's drift that the medians of each line keep."""
-    rates = {(s["method"], s["repeat"]): s["tokens_per_s"] for s in samples
-             if s["sweep"] == sweep and s["x"] == x and s.get("tokens_per_s")}
-    ratios = [{"ratio": rate / rates[den, repeat]} for (method, repeat), rate in rates.items()
-              if method == num and (den, repeat) in rates]
-    return summarize(ratios, "ratio")
-
-
-def aims(samples: list[dict]) -> list[dict]:
-    """The issue's aims as measured ratios, paired per repeat (None where the run has no data for one)."""
-    out = []
-
-    def ratio(name, sweep, num, den, x, goal):
-        stat = paired_ratio(samples, sweep, num, den, x)
-        value = stat["median"] if stat else None
-        out.append({"aim": name, "ratio": value, "min": stat and stat["min"], "max": stat and stat["max"],
-                    "goal": goal, "met": None if value is None else value >= goal})
-
-    ratio("default clover / vanilla tokens/s, batch 1", "batch", "default-clover", "vanilla", 1, 2.0)
-    ratio("clover (fixed budget) / vanilla tokens/s, batch 1", "batch", "clover", "vanilla", 1, 2.0)
-    ratio("clover / transformers generate() greedy, batch 1", "hf", "clover", "hf-greedy", 1, 5.0)
-    # docs/trees.md#model-free-candidates: the proposer alone, as `--method suffix` runs it
-    ratio("default suffix / vanilla tokens/s, batch 1", "batch", "default-suffix", "vanilla", 1, 1.15)
-    # docs/quantized-target.md: against llama.cpp on the same GGUF, and the quantized engine against fp32
-    ratio("vanilla / fp32 engine's vanilla (--vanilla-engine fp32=DIR), batch 1", "llamacpp", "vanilla",
-          "vanilla-fp32", 1, 2.0)
-    ratio("default clover / llama.cpp greedy, batch 1", "llamacpp", "default-clover", "llamacpp-greedy", 1, 1.0)
-    ratio("default clover / llama.cpp prompt lookup, batch 1", "llamacpp", "default-clover",
-          "llamacpp-prompt-lookup", 1, 1.0)
-    # docs/results/lean-graph: against ONNX Runtime's own LLM runtime and llama.cpp, and the pass itself
-    ratio("vanilla / onnxruntime-genai greedy, batch 1", "peers", "vanilla", "genai-greedy", 1, 1.0)
-    ratio("default clover / onnxruntime-genai greedy, batch 1", "peers", "default-clover", "genai-greedy", 1, 1.3)
-    ratio("default clover / llama.cpp greedy, batch 1 (peers sweep)", "peers", "default-clover", "llamacpp-greedy", 1,
-          2.0)
-    for tokens in (1, 8):  # within 1.1x of the builder graph's pass time: its speed at least 1/1.1 of it
-        ratio(f"target pass speed / builder graph's, T = {tokens}", "passes", "clover", "genai-graph", tokens, 1 / 1.1)
-    for x in sorted({s["x"] for s in samples if s["sweep"] == "batch" and s["method"] == "vanilla"}):
-        ratio(f"default clover / vanilla tokens/s, batch {x}", "batch", "default-clover", "vanilla", x, 0.95)
-        ratio(f"adaptive clover / vanilla tokens/s, batch {x}", "batch", "adaptive-clover", "vanilla", x, 1.0)
-    return out
-
-
-# -- report -------------------------------------------------------------------
-
-
-def _cell(stat: dict | None, digits: int = 1) -> str:
-    if not stat:
-        return "–"
-    return f"{stat['median']:.{digits}f} ({stat['min']:.{digits}f}–{stat['max']:.{digits}f})"
-
-
-def markdown(report: dict) -> str:
-    lines = ["# Clover benchmark", "", f"Command: `{report['command']}`", ""]
-    hw = report["hardware"]
-    lines += [f"Hardware: {hw.get('cpu', hw['processor'])}, {hw['cpu_count']} CPUs; torch {hw['torch']}, "
-              f"onnxruntime {hw['onnxruntime']}, Python {hw['python']}.", "",
-              f"Settings: {report['settings']['repeats']} repeats, {report['settings']['max_new_tokens']} new tokens "
-              f"per sequence, interleaved; cells are median (min–max).", ""]
-    for sweep, data in report["sweeps"].items():
-        methods = list(data["methods"])
-        xs = sorted({x for m in data["methods"].values() for x in m["x"]})
-        for key in METRICS[sweep]:
-            title, digits = METRIC_TITLES[key], 1 if key == "tokens_per_s" or key.endswith("_ms") else 2
-            lines += [f"## {sweep}: {title}", "", f"| {data['x_label']} | " + " | ".join(methods) + " |",
-                      "|---|" + "---|" * len(methods)]
-            for x in xs:
-                cells = []
-                for m in methods:
-                    entry = data["methods"][m]
-                    cells.append(_cell(entry[key][entry["x"].index(x)], digits) if x in entry["x"] else "–")
-                lines.append(f"| {x} | " + " | ".join(cells) + " |")
-            lines.append("")
-    adaptive = [s for s in report["samples"] if "budgets" in s]
-    if adaptive:
-        lines += ["## Budgets chosen by the adaptive lines (steps per budget, all repeats)", "",
-                  "| line | batch | budgets |", "|---|---|---|"]
-        for method, batch in sorted({(s["method"], s["batch"]) for s in adaptive}):
-            counts: dict[str, int] = {}
-            for s in adaptive:
-                if (s["method"], s["batch"]) == (method, batch):
-                    for b, n in s["budgets"].items():
-                        counts[b] = counts.get(b, 0) + n
-            chosen = ", ".join(f"{b}: {n}" for b, n in sorted(counts.items(), key=lambda kv: int(kv[0])))
-            lines.append(f"| {method} | {batch} | {chosen} |")
-        lines.append("")
-    if report.get("step_costs"):
-        batch = report["sweeps"].get("batch", {}).get("methods", {}).get("clover")
-        lines += [f"## Step cost at tree budget {report['settings']['budget']} (from the engine's cost model)", "",
-                  "A speculative step pays only where its tokens/step exceed the break-even ratio "
-                  "(speculative step time / vanilla step time). The cost model was measured when the engine was "
-                  "calibrated, on this machine; tree building is an upper bound (it may stop early).", "",
-                  "| batch | vanilla step (ms) | verify pass (ms) | draft steps (ms) | break-even tokens/step "
-                  "| clover tokens/step (measured) |", "|---|---|---|---|---|---|"]
-        for row in report["step_costs"]:
-            measured = "–"
-            if batch and row["batch"] in batch["x"]:
-                measured = _cell(batch["tokens_per_step"][batch["x"].index(row["batch"])], 2)
-            draft = f"{row['draft_ms']:.1f}"
-            if row.get("draft_prefill_ms"):  # Clover-2's draft_prefill, apart
-                draft += f" + {row['draft_prefill_ms']:.1f} draft_prefill"
-            lines.append(f"| {row['batch']} | {row['vanilla_ms']:.1f} | {row['verify_ms']:.1f} | {draft} "
-                         f"| {row['break_even_tokens_per_step']:.2f} | {measured} |")
-        lines.append("")
-    lines += ["## Aims", "", "Ratios taken per repeat (both lines ran back to back on the same prompts), then their "
-              "median (min–max).", "", "| aim | measured | goal | met |", "|---|---|---|---|"]
-    for aim in report["aims"]:
-        measured = "–" if aim["ratio"] is None else f"{aim['ratio']:.2f}× ({aim['min']:.2f}–{aim['max']:.2f})"
-        met = "–" if aim["met"] is None else ("yes" if aim["met"] else "**no**")
-        lines.append(f"| {aim['aim']} | {measured} | {aim['goal']:.3g}× | {met} |")
-    lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
-    return "\n".join(lines)
-
-
-def plot(report: dict, output: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    for sweep, data in report["sweeps"].items():
-        keys = {"batch": ["tokens_per_s"], "hf": ["tokens_per_s"], "peers": ["tokens_per_s"], "passes": ["target_ms"],
-                "triton": ["tokens_per_s", "ttft_p50_ms", "itl_p50_ms"]}.get(sweep, ["tokens_per_s", "tokens_per_step"])
-        fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.5), squeeze=False)
-        for ax, key in zip(axes[0], keys):
-            for i, (name, entry) in enumerate(data["methods"].items()):
-                points = [(x, s) for x, s in zip(entry["x"], entry[key]) if s]
-                if not points:
-                    continue
-                xs = [x for x, _ in points]
-                med = [s["median"] for _, s in points]
-                err = [[s["median"] - s["min"] for _, s in points], [s["max"] - s["median"] for _, s in points]]
-                if sweep == "hf":
-                    ax.bar([i], med, yerr=[[e] for e in (err[0][0], err[1][0])], capsize=4, label=name)
-                else:
-                    ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=name)
-            if sweep == "hf":
-                ax.set_xticks(range(len(data["methods"])), list(data["methods"]), rotation=20)
-            else:
-                ax.set_xscale("log", base=2)
-                ax.set_xlabel(data["x_label"])
-            ax.set_ylabel(METRIC_TITLES[key])
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.suptitle(f"{sweep} sweep (median, min–max over {report['settings']['repeats']} repeats)")
-        fig.tight_layout()
-        path = output / f"{sweep}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
 
 
 # -- command line ------------------------------------------------------------------
@@ -1149,6 +844,3 @@ def main(argv=None) -> int:
     print(f"wrote {output / 'bench.json'}, {output / 'bench.md'}, " + ", ".join(p.name for p in pngs))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -64,7 +64,7 @@ def llama_greedy(llama, prompt: list[int], max_new: int, eos: int | None = None)
 
 
 def run_llamacpp(llama, prompt: list[int], max_new: int) -> dict:
-    """One timed greedy decode of exactly ``max_new`` tokens (no stop token), as :func:`clover.bench.run_hf`:
+    """One timed greedy decode of exactly ``max_new`` tokens (no stop token), as :func:`clover.bench.sweeps.run_hf`:
     the prompt pass included."""
     start = time.perf_counter()
     tokens = llama_greedy(llama, prompt, max_new)

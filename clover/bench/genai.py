@@ -69,7 +69,7 @@ def genai_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 
 
 def run_genai(model, prompt: list[int], max_new: int) -> dict:
-    """One timed greedy decode (prompt pass included), as :func:`clover.llamacpp.run_llamacpp`."""
+    """One timed greedy decode (prompt pass included), as :func:`clover.bench.llamacpp.run_llamacpp`."""
     start = time.perf_counter()
     tokens = genai_greedy(model, prompt, max_new)
     seconds = time.perf_counter() - start

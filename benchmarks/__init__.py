@@ -1,0 +1,1 @@
+"""Measurements and probes of a checkout, run from the repository root: ``python -m benchmarks.NAME``."""
