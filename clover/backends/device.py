@@ -25,7 +25,7 @@ from clover.adaptive import CostModel, monotone_fit
 from clover.attention import InPlaceAttention, unpack_mask
 from clover.backends.torch import TorchEngine
 from clover.config import ConfigError, TreeConfig
-from clover.demo import clover_home
+from clover.demo import cache_root
 from clover.device_step import PADDING_SCORE, DeviceSampling, GivenCandidates, StepShape, decode_step, sample_rows
 from clover.engine_contract import DraftResult, TargetResult
 from clover.kv_cache import KVCache
@@ -57,9 +57,10 @@ def kv_bucket(needed: int, max_seq_len: int) -> int:
 def compile_decoder_layers(target_step) -> None:
     """torch.compile each decoder layer (the Augmenting Block's too), shape-generic (``dynamic=True``), so one
     compilation serves every step shape; compiled kernels are cached on disk between runs
-    (``$TORCHINDUCTOR_CACHE_DIR``, default ``$CLOVER_HOME/inductor``). The compile happens at each layer's first
+    (``$TORCHINDUCTOR_CACHE_DIR``, default ``inductor`` in the user cache: ``$CLOVER_CACHE_DIR``, else
+    ``~/.cache/clover``). The compile happens at each layer's first
     call: the first steps (or the graph captures) take it (docs/gpu-engine.md#cuda-graphs)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(clover_home() / "inductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     layers = list(target_step.target.layers) + ([target_step.augment] if target_step.augment is not None else [])
     for layer in layers:
         layer.compile(dynamic=True)
