@@ -215,6 +215,7 @@ class DeviceStepper:
         return StepShape(batch, budget, depth if budget else 0, top_k, top_k, kv_bucket(needed, self.cache.max_seq_len),
                          given if budget else 0, given_depth if budget and given else 0, sampling)
 
+    @torch.inference_mode()
     def capture_ahead(self, depth: int, top_k: int, given: int = 0, given_depth: int = 0,
                       max_positions: int = CAPTURE_AHEAD_POSITIONS) -> None:
         """Capture the graphs of every batch bucket × budget × attended positions up to ``max_positions`` now (at
