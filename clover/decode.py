@@ -23,7 +23,7 @@ import torch
 
 import numpy as np
 
-from clover.adaptive import AdaptiveBudget, CostModel, SourceCalibration
+from clover.adaptive import AdaptiveBudget, CostModel
 from clover.attention import causal_packed_mask
 from clover.stats import tokens_per_step
 from clover.config import ConfigError, SamplingConfig, TreeConfig
@@ -31,17 +31,9 @@ from clover.device_step import given_arrays
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
 from clover.host_ops import as_numpy, cpu_tensor, take_rows
-from clover.suffix import SharedSuffixIndex, SuffixIndex
-from clover.tree import SOURCE_HEADS, TreeBatch, TreeMerge, draft_tree_batch, root_batch
+from clover.proposers import Proposer, check_method, make_proposer, suffix_candidates_on, uses_heads
+from clover.tree import TreeBatch
 from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
-
-METHODS = ("vanilla", "medusa", "clover", "clover2", "suffix")
-HEAD_METHODS = ("medusa", "clover", "clover2")  # the methods that draft with trained heads
-
-
-def uses_heads(method: str) -> bool:
-    """Whether ``method`` drafts with the engine's heads (``suffix`` and ``vanilla`` do not)."""
-    return method in HEAD_METHODS
 
 
 def refuse_empty_prompt(prompt: str | Sequence[int]) -> None:
@@ -172,8 +164,10 @@ class StepEvent:
 
 
 class _Sequence:
-    def __init__(self, seq_id: int, request: GenerationRequest, stop_ids: tuple[int, ...], decode_text) -> None:
+    def __init__(self, seq_id: int, request: GenerationRequest, stop_ids: tuple[int, ...], decode_text,
+                 on_emit: Callable[[Any, list[int]], None] | None = None) -> None:
         self.seq_id, self.request = seq_id, request
+        self.on_emit = on_emit  # the proposer's hook (its suffix index follows the output)
         self.stop_ids = set(stop_ids)
         self.decode_text = decode_text
         self.generated: list[int] = []
@@ -183,7 +177,6 @@ class _Sequence:
         self.generator = torch.Generator().manual_seed(request.seed)
         self.root_token = -1
         self.root_hidden: torch.Tensor | None = None
-        self.suffix: SuffixIndex | None = None  # over the prompt and the emitted tokens, with the suffix proposer
 
     def suffix_context(self, width: int = 64) -> list[int]:
         """The last ``width`` tokens of the prompt and the output: what the shared suffix index matches."""
@@ -210,8 +203,8 @@ class _Sequence:
                 del self.generated[cut:]
                 kept = kept[: cut - before]
                 self.finish_reason = "stop"
-        if self.suffix is not None:
-            self.suffix.extend(kept)
+        if self.on_emit is not None:
+            self.on_emit(self, kept)
         return kept
 
     def _stop_string_cut(self, checked: int) -> int | None:
@@ -266,8 +259,7 @@ class SpeculativeDecoder:
                  tokenizer=None, max_batch_size: int = 64, cost_model: CostModel | None = None,
                  prefill_chunk_tokens: int = 2048, step_timing: bool = True) -> None:
         spec = engine.spec
-        if method not in METHODS:
-            raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        check_method(method)
         if uses_heads(method):
             if not spec.num_draft_heads:
                 raise ConfigError(f"method {method!r} needs draft heads; pass a drafter or use --method vanilla")
@@ -285,18 +277,10 @@ class SpeculativeDecoder:
         self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
                              device=spec.device)
         # model-free candidates, calibrated against the heads' per depth (docs/trees.md#model-free-candidates)
-        self.suffix_on = method != "vanilla" and self.tree.suffix_candidates and self.tree.budget > 0
-        self.calibration = (SourceCalibration(max(self.tree.proposer_depth, spec.num_draft_heads))
-                            if self.suffix_on else None)
+        self.suffix_on = suffix_candidates_on(method, self.tree)
         # an engine that runs whole steps on the device (docs/gpu-engine.md): greedy steps of heads' trees, the
         # suffix proposer's candidates merged in, or vanilla
         self.device_stepper = self._device_stepper(engine, method)
-        self.shared_suffix = None  # over earlier requests' outputs (TreeConfig.shared_suffix_tokens)
-        if self.suffix_on and self.tree.shared_suffix_tokens:
-            self.shared_suffix = SharedSuffixIndex(self.tree.shared_suffix_tokens)
-        # draft nodes proposed and accepted per source, over the steps with merged trees (reports, benchmarks)
-        self.source_counts = {"heads": [0, 0], "suffix": [0, 0]}
-        self.proposer_seconds = 0.0  # host time of the suffix proposals, summed over steps
         if self.tree.static_choices is not None and uses_heads(method):
             deepest_rank = max(max(p) for p in self.tree.static_choices)
             if deepest_rank >= spec.draft_top_k:
@@ -311,6 +295,30 @@ class SpeculativeDecoder:
         max_tree = len(self.tree.static_choices) if self.tree.static_choices is not None else self.tree.budget
         self._max_step_tokens = 1 + (max_tree if method != "vanilla" else 0)
         self._heads = uses_heads(method)
+        # what each step verifies; it prices suffix candidates with the adaptive chooser's cost model
+        self.proposer: Proposer = make_proposer(method, self.tree, engine, self.adaptive)
+
+    # the suffix proposer's state, for reports, benchmarks and tests (defaults where the method has none)
+
+    @property
+    def source_counts(self) -> dict[str, list[int]]:
+        """Draft nodes proposed and accepted per source, over the steps with merged trees."""
+        return getattr(self.proposer, "source_counts", {"heads": [0, 0], "suffix": [0, 0]})
+
+    @property
+    def proposer_seconds(self) -> float:
+        """Host time of the suffix proposals, summed over steps."""
+        return getattr(self.proposer, "proposer_seconds", 0.0)
+
+    @property
+    def calibration(self):
+        """The candidate sources' :class:`~clover.adaptive.SourceCalibration`; None without suffix candidates."""
+        return getattr(self.proposer, "calibration", None)
+
+    @property
+    def shared_suffix(self):
+        """The suffix index over earlier requests' outputs (``TreeConfig.shared_suffix_tokens``), or None."""
+        return getattr(self.proposer, "shared_suffix", None)
 
     def _device_stepper(self, engine: Engine, method: str):
         """The engine's device stepper where it has one and the method's steps can run there (heads' dynamic
@@ -339,7 +347,7 @@ class SpeculativeDecoder:
 
     def _device_given_shape(self) -> tuple[int, int]:
         """(suffix candidates per row, their deepest level) of a device step with suffix proposals: what
-        :meth:`_propose` offers."""
+        :meth:`clover.proposers.SuffixProposer.suffix_proposals` offers."""
         return (2 * self.tree.budget, self.tree.proposer_depth) if self.suffix_on else (0, 0)
 
     def _new_draft_cache(self) -> KVCache | None:
@@ -383,7 +391,7 @@ class SpeculativeDecoder:
             eos = getattr(self.tokenizer, "eos_token_id", None)
             stop_ids = () if eos is None else (eos,)
         decode_text = self.tokenizer.decode if self.tokenizer is not None else None
-        seq = _Sequence(next(self._ids), request, tuple(stop_ids), decode_text)
+        seq = _Sequence(next(self._ids), request, tuple(stop_ids), decode_text, self.proposer.emitted)
         self._pending.append(seq)
         return seq.seq_id
 
@@ -446,10 +454,8 @@ class SpeculativeDecoder:
         return events
 
     def _remove(self, rows: list[int]) -> None:
-        if rows and self.shared_suffix is not None:  # finished outputs feed the shared suffix index
-            for row in rows:
-                if self._running[row].finish_reason in ("stop", "length"):
-                    self.shared_suffix.add(self._running[row].generated)
+        for row in rows:  # finished outputs feed the shared suffix index
+            self.proposer.finished(self._running[row])
         if rows:
             order = self.cache.remove_rows(rows)
             if self.device_stepper is not None:  # its root states are per row too
@@ -496,8 +502,7 @@ class SpeculativeDecoder:
         events = []
         for seq, token, root in zip(seqs, first, roots):
             seq.root_token, seq.root_hidden = token, root  # root None: the device stepper holds it
-            if self.suffix_on:
-                seq.suffix = SuffixIndex(seq.request.prompt_ids)
+            self.proposer.start(seq)
             events.append(self._event(seq, seq.emit([token])))
         if result is not None:
             self._draft_after_prefill(seqs, rows, result.h0, input_ids, lengths)
@@ -536,13 +541,13 @@ class SpeculativeDecoder:
             if device_events is not None:
                 return events + device_events
             self._roots_to_host(seqs)
-        batch = self._build_trees(seqs, tree)
+        batch = self.proposer.propose(seqs, tree)
         past = self.cache.lengths_array.copy()  # int32 [n]; NumPy: docs/trees.md#host-work-per-step
         k_cache, v_cache = self.cache.views()
         result = self.engine.target(batch.input_ids, torch.from_numpy(past[:, None] + as_numpy(batch.position_offsets)),
                                     torch.from_numpy(past), batch.packed_mask, k_cache, v_cache)
         accepted = self._accept(seqs, result.logits, batch)
-        heads_accepted = self._observe_sources(batch, accepted)
+        heads_accepted = self.proposer.observe(batch, accepted)
         if self.adaptive is not None:
             self.adaptive.observe(tree.budget, heads_accepted)
 
@@ -576,7 +581,7 @@ class SpeculativeDecoder:
         """One step on the device for every live sequence (docs/gpu-engine.md); None where it cannot run there
         (no batch bucket holds the batch)."""
         sampling = self._sampling_rows(seqs)  # None: greedy acceptance, else tree speculative sampling
-        proposals = [self._propose(seq, tree.proposer_depth) for seq in seqs] if self.suffix_on else []
+        proposals = self.proposer.suffix_proposals(seqs, tree.proposer_depth) if self.suffix_on else []
         given, given_depth = self._device_given_shape() if any(len(p.tokens) for p in proposals) else (0, 0)
         shape = self.device_stepper.shape(len(seqs), tree.budget if self._heads else 0, self._device_depth(),
                                           min(self.tree.top_k, self.engine.spec.draft_top_k), given, given_depth,
@@ -611,66 +616,6 @@ class SpeculativeDecoder:
         for row, seq in enumerate(seqs):
             if seq.root_hidden is None:
                 seq.root_hidden = self.device_stepper.root_of(row)
-
-    def _build_trees(self, seqs: list[_Sequence], tree: TreeConfig) -> TreeBatch:
-        """Every sequence's tree at once, as buffers (docs/trees.md#host-work-per-step): the heads' draft at
-        ``tree.budget`` (0: none) with the suffix candidates merged in; root-only trees when neither proposes."""
-        roots = [s.root_token for s in seqs]
-        heads = self._heads and (tree.budget > 0 or tree.static_choices is not None)
-        merge = self._suffix_merge(seqs, tree) if self.suffix_on and self._suffix_may_pay(seqs, tree) else None
-        if not heads and merge is None:
-            return root_batch(roots)
-        root_hidden = torch.stack([s.root_hidden for s in seqs]) if heads else None
-        return draft_tree_batch(self.engine.draft_step if heads else None, root_hidden, roots, tree,
-                                self.engine.spec.num_draft_heads if heads else 0, merge)
-
-    def _suffix_may_pay(self, seqs: list[_Sequence], tree: TreeConfig) -> bool:
-        """False where the adaptive chooser stopped the heads' drafting for a batch of several sequences: a tree
-        in any row then moves the whole batch to the costlier pass of several sequences' trees, which the
-        suffix's few candidates did not pay for on a CPU (docs/trees.md#adaptive-tree-budget; 0.97x vanilla at
-        batch 8 before this rule). One sequence alone keeps its suffix candidates."""
-        return not (self.adaptive is not None and self._heads and tree.budget == 0 and len(seqs) > 1)
-
-    def _suffix_merge(self, seqs: list[_Sequence], tree: TreeConfig) -> TreeMerge | None:
-        """This step's suffix candidates (None when no sequence has any), sharing the largest tree budget with the
-        heads' ``tree.budget``; with a cost model, only candidates whose calibrated acceptance pays for them."""
-        started = time.perf_counter()
-        proposals = [self._propose(seq, tree.proposer_depth) for seq in seqs]
-        self.proposer_seconds += time.perf_counter() - started
-        if not any(len(p.tokens) for p in proposals):
-            return None
-        seconds = (self.adaptive.tree_step_seconds(len(seqs), tree.budget, self.tree.budget)
-                   if self.adaptive is not None else None)
-        return TreeMerge(proposals, self.tree.budget, self.calibration.factors(), seconds, min_nodes=tree.budget)
-
-    def _propose(self, seq: _Sequence, depth: int):
-        """The sequence's own suffix proposal, or the shared index's where that matched a longer suffix. Each
-        offers twice the tree budget, so that the merge's calibrated scores, not the index's counts alone, pick
-        the nodes (on MT-bench at budget 8 this moved τ by 0.01 at most: docs/results/suffix-tree)."""
-        proposal = seq.suffix.propose(depth, 2 * self.tree.budget)
-        if self.shared_suffix is not None:
-            shared = self.shared_suffix.propose(seq.suffix_context(), depth, 2 * self.tree.budget)
-            if shared.match_length > proposal.match_length:
-                return shared
-        return proposal
-
-    def _observe_sources(self, batch: TreeBatch, accepted: list[Accepted]) -> list[int]:
-        """Fold a step's acceptance into each source's calibration; returns each sequence's accepted draft tokens
-        that the heads proposed (the leading run of heads' nodes on its path), what the heads' chooser learns."""
-        if batch.sources is None:
-            return [len(a.path) - 1 for a in accepted]
-        sources = batch.sources
-        on_path = np.zeros(sources.bits.shape, dtype=bool)
-        for i, acc in enumerate(accepted):
-            on_path[i, acc.path[1:]] = True
-        self.calibration.observe(as_numpy(batch.position_offsets), sources.bits, sources.raw, sources.keys, on_path)
-        for column, name in enumerate(("heads", "suffix")):
-            proposed = ((sources.bits >> column) & 1).astype(bool)
-            self.source_counts[name][0] += int(proposed.sum())
-            self.source_counts[name][1] += int((proposed & on_path).sum())
-        by_heads = (sources.bits & SOURCE_HEADS).astype(bool)
-        return [next((j for j, node in enumerate(acc.path[1:]) if not by_heads[i, node]), len(acc.path) - 1)
-                for i, acc in enumerate(accepted)]
 
     @staticmethod
     def _accept(seqs: list[_Sequence], logits: torch.Tensor, batch: TreeBatch) -> list[Accepted]:
