@@ -3,13 +3,12 @@
 :class:`SpeculativeDecoder` keeps a batch of live sequences with a shared
 :class:`~clover.kv_cache.KVCache`. Each :meth:`~SpeculativeDecoder.step`
 prefills newly submitted requests, then runs one decode step for every live
-sequence: build the token trees with the engine's ``draft_step``, verify them in
-one ``target`` pass, write the accepted tokens' K/V, emit tokens, stop
-sequences. New requests join between steps (in-flight batching); finished or
-cancelled ones leave at once. ``vanilla`` is the same loop with root-only trees.
-Model-free candidates (a per-request suffix index, :mod:`clover.suffix`) join the
-heads' trees in the same tree builder (docs/trees.md#model-free-candidates);
-``suffix`` decodes with them alone, on an engine with or without heads.
+sequence: propose the token trees (the method's :class:`~clover.proposers.Proposer`),
+verify them in one ``target`` pass, accept, write the accepted tokens' K/V, emit
+tokens, stop sequences. New requests join between steps (in-flight batching);
+finished or cancelled ones leave at once. The loop never asks which method it
+runs for its trees: :func:`~clover.proposers.make_proposer` does
+(docs/architecture.md#one-decode-step).
 """
 
 from __future__ import annotations
