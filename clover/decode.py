@@ -284,7 +284,6 @@ class SpeculativeDecoder:
             deepest_rank = max(max(p) for p in self.tree.static_choices)
             if deepest_rank >= spec.draft_top_k:
                 raise ConfigError(f"static tree needs rank {deepest_rank}, the engine's draft top-k is {spec.draft_top_k}")
-        self.draft_cache = self._new_draft_cache()
         self._ids = itertools.count()
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # index == cache row
@@ -308,6 +307,12 @@ class SpeculativeDecoder:
     def proposer_seconds(self) -> float:
         """Host time of the suffix proposals, summed over steps."""
         return getattr(self.proposer, "proposer_seconds", 0.0)
+
+    @property
+    def draft_cache(self) -> KVCache | None:
+        """Clover-2's drafter KV cache (engine contract v2), its rows aligned with ``cache``'s; None otherwise."""
+        owner = self.proposer.drafter_cache
+        return None if owner is None else owner.kv
 
     @property
     def calibration(self):
@@ -348,17 +353,6 @@ class SpeculativeDecoder:
         """(suffix candidates per row, their deepest level) of a device step with suffix proposals: what
         :meth:`clover.proposers.SuffixProposer.suffix_proposals` offers."""
         return (2 * self.tree.budget, self.tree.proposer_depth) if self.suffix_on else (0, 0)
-
-    def _new_draft_cache(self) -> KVCache | None:
-        """The drafter's own KV cache (``clover2``), shaped like the target's; None for the other methods."""
-        spec = self.engine.spec
-        if self.method != "clover2":
-            return None
-        if not spec.num_draft_kv_layers:
-            raise ConfigError("method 'clover2' needs an engine with draft_prefill (engine contract v2, "
-                              "num_draft_kv_layers > 0); rebuild the engine with the clover2 heads")
-        return KVCache(spec.num_draft_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
-                       device=spec.device)
 
     def _adaptive_budget(self, cost_model: CostModel | None, step_timing: bool) -> AdaptiveBudget | None:
         """The per-step budget chooser, or None for a fixed budget (``tree.adaptive`` False, vanilla, a static
@@ -459,8 +453,7 @@ class SpeculativeDecoder:
             order = self.cache.remove_rows(rows)
             if self.device_stepper is not None:  # its root states are per row too
                 self.device_stepper.reorder(order)
-            if self.draft_cache is not None:  # the same compaction: rows stay aligned with the target cache
-                self.draft_cache.remove_rows(rows)
+            self.proposer.rows_removed(rows)  # clover2's draft cache: the same compaction
             self._running = [self._running[i] for i in order]
 
     def _prefill_chunks(self, seqs: list[_Sequence]) -> list[list[_Sequence]]:
@@ -504,7 +497,7 @@ class SpeculativeDecoder:
             self.proposer.start(seq)
             events.append(self._event(seq, seq.emit([token])))
         if result is not None:
-            self._draft_after_prefill(seqs, rows, result.h0, input_ids, lengths)
+            self.proposer.prefilled(seqs, rows, result.h0, input_ids, lengths)
         self._remove([new_rows.start + i for i, s in enumerate(seqs) if s.finish_reason])
         return events
 
@@ -568,7 +561,7 @@ class SpeculativeDecoder:
             if root_from_h0:
                 seq.root_hidden = root_rows[i]
             events.append(self._event(seq, seq.emit(acc.tokens), step_counts))
-        self._draft_after_step(seqs, result.h0, accepted)
+        self.proposer.stepped(seqs, result.h0, accepted)
         if self.adaptive is not None and self.adaptive.step_timing:  # what this budget really costs here
             self.adaptive.observe_time(len(seqs), tree.budget, time.perf_counter() - started,
                                        sum(len(a.path) for a in accepted) / len(accepted),
@@ -626,63 +619,6 @@ class SpeculativeDecoder:
         for i in sampled:
             accepted[i] = sampling_accept(logits[i], trees[i], seqs[i].request.sampling, seqs[i].generator)
         return accepted
-
-    # -- clover2: the drafter's own KV cache (docs/engine-contract.md#version-2-draft_prefill) --
-
-    def _draft_after_prefill(self, seqs: list[_Sequence], rows: slice, h0: torch.Tensor, input_ids: torch.Tensor,
-                             lengths: torch.Tensor) -> None:
-        """Add the new prompts' rows to the draft cache and run the drafter's block over the prompts.
-
-        The token after prompt position t is prompt token t+1, and after the last one the first generated
-        token (the root); each root state is the block's state at the prompt's last position.
-        h0, input_ids ``[n, W]`` right-padded; lengths ``[n]``.
-        """
-        if self.draft_cache is None:
-            return
-        added = self.draft_cache.add_rows(len(seqs))
-        if (added.start, added.stop) != (rows.start, rows.stop):
-            raise RuntimeError("the draft cache's rows are out of step with the target cache's")
-        batch, width = input_ids.shape
-        next_token = torch.zeros_like(input_ids)  # [n, W]; padded positions read 0 and are never committed
-        next_token[:, :-1] = input_ids[:, 1:]
-        last = lengths - 1
-        next_token[torch.arange(batch), last] = torch.tensor([s.root_token for s in seqs])
-        state = self._draft_prefill(rows, h0, next_token, torch.arange(width).expand(batch, -1), lengths)
-        for i, seq in enumerate(seqs):
-            seq.root_hidden = state[i, last[i]].clone()
-
-    def _draft_after_step(self, seqs: list[_Sequence], h0: torch.Tensor, accepted: list[Accepted]) -> None:
-        """Run the drafter's block over each sequence's accepted path (vanilla steps too: the caches stay aligned).
-
-        Path node j (depth j) is followed by ``accepted.tokens[j]`` (the next accepted draft token, last the
-        bonus token); paths are right-padded to the longest and only each row's own length is committed.
-        The root state is the block's state at the path's last node. h0 ``[n, T, H]`` of the tree pass.
-        """
-        if self.draft_cache is None:
-            return
-        batch, width = len(accepted), max(len(a.path) for a in accepted)
-        paths = torch.tensor([a.path + [0] * (width - len(a.path)) for a in accepted])  # [n, A] tree node indices
-        next_token = torch.tensor([a.tokens + [0] * (width - len(a.tokens)) for a in accepted])  # [n, A]
-        counts = [len(a.path) for a in accepted]
-        flat = (torch.arange(batch)[:, None] * h0.shape[1] + paths).flatten()  # rows of h0 [n*T, H]
-        hidden = take_rows(h0.flatten(0, 1), flat).view(batch, width, -1)  # [n, A, H]
-        position_ids = self.draft_cache.lengths[:, None].long() + torch.arange(width)
-        state = self._draft_prefill(None, hidden, next_token, position_ids, torch.tensor(counts))
-        for i, seq in enumerate(seqs):
-            seq.root_hidden = state[i, counts[i] - 1].clone()
-
-    def _draft_prefill(self, rows: slice | None, hidden: torch.Tensor, next_token: torch.Tensor,
-                       position_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``engine.draft_prefill`` over T new causal positions of draft-cache ``rows`` (default: all live
-        rows), then commit the first ``counts[r]`` positions of row r. Returns the states ``[n, T, H]``."""
-        batch, width = next_token.shape
-        past = self.draft_cache.lengths[rows or slice(None)].clone()  # int32 [n]
-        k_cache, v_cache = self.draft_cache.views(rows)
-        result = self.engine.draft_prefill(hidden, next_token, position_ids, past, causal_packed_mask(batch, width),
-                                           k_cache, v_cache)
-        self.draft_cache.commit(result.present_keys, result.present_values, torch.arange(width).expand(batch, -1),
-                                counts, rows=rows)
-        return result.state
 
     @staticmethod
     def _event(seq: _Sequence, tokens: list[int], step_counts: tuple[int, int] | None = None) -> StepEvent:

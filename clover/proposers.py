@@ -10,6 +10,10 @@ run, :meth:`~Proposer.finished` when it leaves the batch), for the state a propo
 * :class:`SuffixProposer`: model-free candidates alone (:mod:`clover.suffix`).
 * :class:`MergedProposer`: the heads' draft with the suffix candidates merged in, calibrated per source.
 
+Clover-2's heads draft from the drafter's own KV cache, :class:`Clover2Cache`, which its proposer owns and keeps
+in step with the target cache's rows (:meth:`~Proposer.prefilled`, :meth:`~Proposer.stepped`,
+:meth:`~Proposer.rows_removed`).
+
 :func:`make_proposer` is the one place that maps a method's name to its proposer. A sequence is any object with
 ``seq_id``, ``request.prompt_ids``, ``generated``, ``finish_reason``, ``root_token``, ``root_hidden`` and
 ``suffix_context()`` (the decoder's own sequences).
@@ -24,9 +28,11 @@ import numpy as np
 import torch
 
 from clover.adaptive import AdaptiveBudget, SourceCalibration
+from clover.attention import causal_packed_mask
 from clover.config import ConfigError, TreeConfig
 from clover.engine_contract import Engine
-from clover.host_ops import as_numpy
+from clover.host_ops import as_numpy, take_rows
+from clover.kv_cache import KVCache
 from clover.suffix import SharedSuffixIndex, SuffixIndex, SuffixProposal
 from clover.tree import SOURCE_HEADS, TreeBatch, TreeMerge, draft_tree_batch, root_batch
 from clover.verify import Accepted
@@ -56,6 +62,7 @@ class Proposer(Protocol):
     """What a decode step verifies, and what it learns from the target's answer."""
 
     suffix_on: bool  # it offers suffix proposals (a step on the device merges them itself)
+    drafter_cache: Clover2Cache | None  # clover2's second cache, owned here
 
     def propose(self, seqs: Sequence[Any], tree: TreeConfig) -> TreeBatch:
         """The step's trees for the live sequences (row i: ``seqs[i]``), at this step's ``tree`` settings (the
@@ -78,12 +85,25 @@ class Proposer(Protocol):
         """Each sequence's suffix candidates up to ``depth`` (empty without ``suffix_on``), for a step on the
         device, which merges them into its trees itself."""
 
+    # Clover-2's draft cache (``drafter_cache``, None for the other methods) follows the target cache's rows:
+
+    def prefilled(self, seqs: Sequence[Any], rows: slice, h0: torch.Tensor, input_ids: torch.Tensor,
+                  lengths: torch.Tensor) -> None:
+        """The prompts' pass ran on the host (target cache ``rows``): h0, input_ids ``[n, W]``, lengths ``[n]``."""
+
+    def stepped(self, seqs: Sequence[Any], h0: torch.Tensor, accepted: list[Accepted]) -> None:
+        """A host step committed each sequence's accepted path (h0 ``[n, T, H]`` of its tree pass)."""
+
+    def rows_removed(self, rows: list[int]) -> None:
+        """The target cache dropped ``rows`` and compacted the rest."""
+
 
 class VanillaProposer:
     """Root-only trees: each step verifies just the next token. The base of the others: no per-sequence state,
     and every accepted draft token counts for the heads."""
 
     suffix_on = False
+    drafter_cache: "Clover2Cache | None" = None  # set by make_proposer for clover2
 
     def propose(self, seqs: Sequence[Any], tree: TreeConfig) -> TreeBatch:
         return root_batch([s.root_token for s in seqs])
@@ -102,6 +122,19 @@ class VanillaProposer:
 
     def suffix_proposals(self, seqs: Sequence[Any], depth: int) -> list[SuffixProposal]:
         return []
+
+    def prefilled(self, seqs: Sequence[Any], rows: slice, h0: torch.Tensor, input_ids: torch.Tensor,
+                  lengths: torch.Tensor) -> None:
+        if self.drafter_cache is not None:
+            self.drafter_cache.after_prefill(seqs, rows, h0, input_ids, lengths)
+
+    def stepped(self, seqs: Sequence[Any], h0: torch.Tensor, accepted: list[Accepted]) -> None:
+        if self.drafter_cache is not None:
+            self.drafter_cache.after_step(seqs, h0, accepted)
+
+    def rows_removed(self, rows: list[int]) -> None:
+        if self.drafter_cache is not None:
+            self.drafter_cache.kv.remove_rows(rows)
 
 
 class HeadsProposer(VanillaProposer):
@@ -236,11 +269,82 @@ class MergedProposer(SuffixProposer):
         return not (self.adaptive is not None and tree.budget == 0 and len(seqs) > 1)
 
 
+class Clover2Cache:
+    """Clover-2's second KV cache, for the drafter's own layers (engine contract v2,
+    docs/engine-contract.md#version-2-draft_prefill): its rows are added, committed and removed with the target
+    cache's, so both always hold the same sequences and the same number of positions. It also sets each
+    sequence's ``root_hidden``: the drafter's state, not the target's ``h0``."""
+
+    def __init__(self, engine: Engine) -> None:
+        spec = engine.spec
+        if not spec.num_draft_kv_layers:
+            raise ConfigError("method 'clover2' needs an engine with draft_prefill (engine contract v2, "
+                              "num_draft_kv_layers > 0); rebuild the engine with the clover2 heads")
+        self.engine = engine
+        self.kv = KVCache(spec.num_draft_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
+                          device=spec.device)
+
+    def after_prefill(self, seqs: Sequence[Any], rows: slice, h0: torch.Tensor, input_ids: torch.Tensor,
+                      lengths: torch.Tensor) -> None:
+        """Add the new prompts' rows to the draft cache and run the drafter's block over the prompts.
+
+        The token after prompt position t is prompt token t+1, and after the last one the first generated
+        token (the root); each root state is the block's state at the prompt's last position.
+        h0, input_ids ``[n, W]`` right-padded; lengths ``[n]``.
+        """
+        added = self.kv.add_rows(len(seqs))
+        if (added.start, added.stop) != (rows.start, rows.stop):
+            raise RuntimeError("the draft cache's rows are out of step with the target cache's")
+        batch, width = input_ids.shape
+        next_token = torch.zeros_like(input_ids)  # [n, W]; padded positions read 0 and are never committed
+        next_token[:, :-1] = input_ids[:, 1:]
+        last = lengths - 1
+        next_token[torch.arange(batch), last] = torch.tensor([s.root_token for s in seqs])
+        state = self._prefill(rows, h0, next_token, torch.arange(width).expand(batch, -1), lengths)
+        for i, seq in enumerate(seqs):
+            seq.root_hidden = state[i, last[i]].clone()
+
+    def after_step(self, seqs: Sequence[Any], h0: torch.Tensor, accepted: list[Accepted]) -> None:
+        """Run the drafter's block over each sequence's accepted path (vanilla steps too: the caches stay aligned).
+
+        Path node j (depth j) is followed by ``accepted.tokens[j]`` (the next accepted draft token, last the
+        bonus token); paths are right-padded to the longest and only each row's own length is committed.
+        The root state is the block's state at the path's last node. h0 ``[n, T, H]`` of the tree pass.
+        """
+        batch, width = len(accepted), max(len(a.path) for a in accepted)
+        paths = torch.tensor([a.path + [0] * (width - len(a.path)) for a in accepted])  # [n, A] tree node indices
+        next_token = torch.tensor([a.tokens + [0] * (width - len(a.tokens)) for a in accepted])  # [n, A]
+        counts = [len(a.path) for a in accepted]
+        flat = (torch.arange(batch)[:, None] * h0.shape[1] + paths).flatten()  # rows of h0 [n*T, H]
+        hidden = take_rows(h0.flatten(0, 1), flat).view(batch, width, -1)  # [n, A, H]
+        position_ids = self.kv.lengths[:, None].long() + torch.arange(width)
+        state = self._prefill(None, hidden, next_token, position_ids, torch.tensor(counts))
+        for i, seq in enumerate(seqs):
+            seq.root_hidden = state[i, counts[i] - 1].clone()
+
+    def _prefill(self, rows: slice | None, hidden: torch.Tensor, next_token: torch.Tensor,
+                       position_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``engine.draft_prefill`` over T new causal positions of draft-cache ``rows`` (default: all live
+        rows), then commit the first ``counts[r]`` positions of row r. Returns the states ``[n, T, H]``."""
+        batch, width = next_token.shape
+        past = self.kv.lengths[rows or slice(None)].clone()  # int32 [n]
+        k_cache, v_cache = self.kv.views(rows)
+        result = self.engine.draft_prefill(hidden, next_token, position_ids, past, causal_packed_mask(batch, width),
+                                           k_cache, v_cache)
+        self.kv.commit(result.present_keys, result.present_values, torch.arange(width).expand(batch, -1),
+                                counts, rows=rows)
+        return result.state
+
+
 def make_proposer(method: str, tree: TreeConfig, engine: Engine,
                   adaptive: AdaptiveBudget | None = None) -> Proposer:
     """The proposer of ``method`` with ``tree``'s settings on ``engine``: the one place that maps method names to
     proposers. ``adaptive``: the heads' budget chooser, whose cost model the suffix candidates are priced with."""
     check_method(method)
     if suffix_candidates_on(method, tree):
-        return (MergedProposer if uses_heads(method) else SuffixProposer)(tree, engine, adaptive)
-    return HeadsProposer(engine) if uses_heads(method) else VanillaProposer()
+        proposer = (MergedProposer if uses_heads(method) else SuffixProposer)(tree, engine, adaptive)
+    else:
+        proposer = HeadsProposer(engine) if uses_heads(method) else VanillaProposer()
+    if method == "clover2":  # its heads draft from the drafter's own cache
+        proposer.drafter_cache = Clover2Cache(engine)
+    return proposer
