@@ -258,18 +258,9 @@ class SpeculativeDecoder:
                  tokenizer=None, max_batch_size: int = 64, cost_model: CostModel | None = None,
                  prefill_chunk_tokens: int = 2048, step_timing: bool = True) -> None:
         spec = engine.spec
-        check_method(method)
-        if uses_heads(method):
-            if not spec.num_draft_heads:
-                raise ConfigError(f"method {method!r} needs draft heads; pass a drafter or use --method vanilla")
-            if spec.default_method != method:
-                raise ConfigError(f"method {method!r} does not match the engine's {spec.drafter_method!r} drafter")
         self.engine, self.method = engine, method
         self.tree = tree or TreeConfig()
-        if method == "suffix" and not self.tree.suffix_candidates:
-            raise ConfigError("method 'suffix' drafts with the suffix proposer: it needs a dynamic tree and "
-                              f"proposer 'suffix' (got proposer={self.tree.proposer!r}"
-                              f"{', a static tree' if self.tree.static_choices is not None else ''})")
+        check_method(method, self.tree, spec)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -280,21 +271,16 @@ class SpeculativeDecoder:
         # an engine that runs whole steps on the device (docs/gpu-engine.md): greedy steps of heads' trees, the
         # suffix proposer's candidates merged in, or vanilla
         self.device_stepper = self._device_stepper(engine, method)
-        if self.tree.static_choices is not None and uses_heads(method):
-            deepest_rank = max(max(p) for p in self.tree.static_choices)
-            if deepest_rank >= spec.draft_top_k:
-                raise ConfigError(f"static tree needs rank {deepest_rank}, the engine's draft top-k is {spec.draft_top_k}")
         self._ids = itertools.count()
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # index == cache row
         self._cancelled: set[int] = set()
         self.adaptive = self._adaptive_budget(cost_model or getattr(engine, "cost_model", None)
                                               or self._device_cost_model(), step_timing)
-        max_tree = len(self.tree.static_choices) if self.tree.static_choices is not None else self.tree.budget
-        self._max_step_tokens = 1 + (max_tree if method != "vanilla" else 0)
         self._heads = uses_heads(method)
         # what each step verifies; it prices suffix candidates with the adaptive chooser's cost model
         self.proposer: Proposer = make_proposer(method, self.tree, engine, self.adaptive)
+        self._max_step_tokens = 1 + self.proposer.max_draft_nodes(self.tree)  # the cache room a step may need
 
     # the suffix proposer's state, for reports, benchmarks and tests (defaults where the method has none)
 

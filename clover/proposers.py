@@ -30,7 +30,7 @@ import torch
 from clover.adaptive import AdaptiveBudget, SourceCalibration
 from clover.attention import causal_packed_mask
 from clover.config import ConfigError, TreeConfig
-from clover.engine_contract import Engine
+from clover.engine_contract import Engine, EngineSpec
 from clover.host_ops import as_numpy, take_rows
 from clover.kv_cache import KVCache
 from clover.suffix import SharedSuffixIndex, SuffixIndex, SuffixProposal
@@ -46,16 +46,36 @@ def uses_heads(method: str) -> bool:
     return method in HEAD_METHODS
 
 
-def check_method(method: str) -> None:
-    """ConfigError for a method name no proposer implements."""
+def check_method(method: str, tree: TreeConfig | None = None, spec: EngineSpec | None = None) -> None:
+    """ConfigError for a method name no proposer implements, or (given ``tree`` and the engine's ``spec``) one
+    that cannot draft with those: heads the engine lacks or of another family, a suffix proposer turned off, a
+    static tree of ranks beyond the engine's draft top-k."""
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if spec is not None and uses_heads(method):
+        if not spec.num_draft_heads:
+            raise ConfigError(f"method {method!r} needs draft heads; pass a drafter or use --method vanilla")
+        if spec.default_method != method:
+            raise ConfigError(f"method {method!r} does not match the engine's {spec.drafter_method!r} drafter")
+    if tree is not None and method == "suffix" and not tree.suffix_candidates:
+        raise ConfigError("method 'suffix' drafts with the suffix proposer: it needs a dynamic tree and "
+                          f"proposer 'suffix' (got proposer={tree.proposer!r}"
+                          f"{', a static tree' if tree.static_choices is not None else ''})")
+    if tree is not None and spec is not None and tree.static_choices is not None and uses_heads(method):
+        deepest_rank = max(max(p) for p in tree.static_choices)
+        if deepest_rank >= spec.draft_top_k:
+            raise ConfigError(f"static tree needs rank {deepest_rank}, the engine's draft top-k is {spec.draft_top_k}")
 
 
 def suffix_candidates_on(method: str, tree: TreeConfig) -> bool:
     """Whether ``method``'s trees take suffix candidates: every drafting method with ``tree``'s suffix proposer
     and a tree budget to fill (docs/trees.md#model-free-candidates)."""
     return method != "vanilla" and tree.suffix_candidates and tree.budget > 0
+
+
+def tree_nodes(tree: TreeConfig) -> int:
+    """Draft nodes a drafting proposer's tree holds at most: the static tree's, else the budget."""
+    return len(tree.static_choices) if tree.static_choices is not None else tree.budget
 
 
 class Proposer(Protocol):
@@ -67,6 +87,9 @@ class Proposer(Protocol):
     def propose(self, seqs: Sequence[Any], tree: TreeConfig) -> TreeBatch:
         """The step's trees for the live sequences (row i: ``seqs[i]``), at this step's ``tree`` settings (the
         adaptive chooser's heads' budget in ``tree.budget``)."""
+
+    def max_draft_nodes(self, tree: TreeConfig) -> int:
+        """Draft nodes a tree of ``tree``'s settings may hold at most (the cache room a step needs beyond its root)."""
 
     def observe(self, batch: TreeBatch, accepted: list[Accepted]) -> list[int]:
         """Fold the step's accepted paths back; returns each sequence's accepted draft tokens that the heads
@@ -107,6 +130,9 @@ class VanillaProposer:
 
     def propose(self, seqs: Sequence[Any], tree: TreeConfig) -> TreeBatch:
         return root_batch([s.root_token for s in seqs])
+
+    def max_draft_nodes(self, tree: TreeConfig) -> int:
+        return 0
 
     def observe(self, batch: TreeBatch, accepted: list[Accepted]) -> list[int]:
         return [len(a.path) - 1 for a in accepted]
@@ -149,6 +175,9 @@ class HeadsProposer(VanillaProposer):
             return super().propose(seqs, tree)
         return draft_tree_batch(self.engine.draft_step, torch.stack([s.root_hidden for s in seqs]),
                                 [s.root_token for s in seqs], tree, self.engine.spec.num_draft_heads, None)
+
+    def max_draft_nodes(self, tree: TreeConfig) -> int:
+        return tree_nodes(tree)
 
     @staticmethod
     def drafts(tree: TreeConfig) -> bool:
@@ -204,6 +233,9 @@ class SuffixProposer(VanillaProposer):
         root_hidden = torch.stack([s.root_hidden for s in seqs]) if heads else None
         return draft_tree_batch(self.engine.draft_step if heads else None, root_hidden, [s.root_token for s in seqs],
                                 tree, self.engine.spec.num_draft_heads if heads else 0, merge)
+
+    def max_draft_nodes(self, tree: TreeConfig) -> int:
+        return tree_nodes(tree)
 
     def _may_pay(self, seqs: Sequence[Any], tree: TreeConfig) -> bool:
         """Suffix candidates alone always may (see :meth:`MergedProposer._may_pay`)."""
