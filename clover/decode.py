@@ -3,13 +3,12 @@
 :class:`SpeculativeDecoder` keeps a batch of live sequences with a shared
 :class:`~clover.kv_cache.KVCache`. Each :meth:`~SpeculativeDecoder.step`
 prefills newly submitted requests, then runs one decode step for every live
-sequence: build the token trees with the engine's ``draft_step``, verify them in
-one ``target`` pass, write the accepted tokens' K/V, emit tokens, stop
-sequences. New requests join between steps (in-flight batching); finished or
-cancelled ones leave at once. ``vanilla`` is the same loop with root-only trees.
-Model-free candidates (a per-request suffix index, :mod:`clover.suffix`) join the
-heads' trees in the same tree builder (docs/trees.md#model-free-candidates);
-``suffix`` decodes with them alone, on an engine with or without heads.
+sequence: propose the token trees (the method's :class:`~clover.proposers.Proposer`),
+verify them in one ``target`` pass, accept, write the accepted tokens' K/V, emit
+tokens, stop sequences. New requests join between steps (in-flight batching);
+finished or cancelled ones leave at once. The loop never asks which method it
+runs for its trees: :func:`~clover.proposers.make_proposer` does
+(docs/architecture.md#one-decode-step).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import torch
 
 import numpy as np
 
-from clover.adaptive import AdaptiveBudget, CostModel, SourceCalibration
+from clover.adaptive import AdaptiveBudget, CostModel
 from clover.attention import causal_packed_mask
 from clover.stats import tokens_per_step
 from clover.config import ConfigError, SamplingConfig, TreeConfig
@@ -31,17 +30,9 @@ from clover.device_step import given_arrays
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
 from clover.host_ops import as_numpy, cpu_tensor, take_rows
-from clover.suffix import SharedSuffixIndex, SuffixIndex
-from clover.tree import SOURCE_HEADS, TreeBatch, TreeMerge, draft_tree_batch, root_batch
+from clover.proposers import Proposer, check_method, make_proposer, suffix_candidates_on, uses_heads
+from clover.tree import TreeBatch
 from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
-
-METHODS = ("vanilla", "medusa", "clover", "clover2", "suffix")
-HEAD_METHODS = ("medusa", "clover", "clover2")  # the methods that draft with trained heads
-
-
-def uses_heads(method: str) -> bool:
-    """Whether ``method`` drafts with the engine's heads (``suffix`` and ``vanilla`` do not)."""
-    return method in HEAD_METHODS
 
 
 def refuse_empty_prompt(prompt: str | Sequence[int]) -> None:
@@ -172,8 +163,10 @@ class StepEvent:
 
 
 class _Sequence:
-    def __init__(self, seq_id: int, request: GenerationRequest, stop_ids: tuple[int, ...], decode_text) -> None:
+    def __init__(self, seq_id: int, request: GenerationRequest, stop_ids: tuple[int, ...], decode_text,
+                 on_emit: Callable[[Any, list[int]], None] | None = None) -> None:
         self.seq_id, self.request = seq_id, request
+        self.on_emit = on_emit  # the proposer's hook (its suffix index follows the output)
         self.stop_ids = set(stop_ids)
         self.decode_text = decode_text
         self.generated: list[int] = []
@@ -183,7 +176,6 @@ class _Sequence:
         self.generator = torch.Generator().manual_seed(request.seed)
         self.root_token = -1
         self.root_hidden: torch.Tensor | None = None
-        self.suffix: SuffixIndex | None = None  # over the prompt and the emitted tokens, with the suffix proposer
 
     def suffix_context(self, width: int = 64) -> list[int]:
         """The last ``width`` tokens of the prompt and the output: what the shared suffix index matches."""
@@ -210,8 +202,8 @@ class _Sequence:
                 del self.generated[cut:]
                 kept = kept[: cut - before]
                 self.finish_reason = "stop"
-        if self.suffix is not None:
-            self.suffix.extend(kept)
+        if self.on_emit is not None:
+            self.on_emit(self, kept)
         return kept
 
     def _stop_string_cut(self, checked: int) -> int | None:
@@ -266,51 +258,57 @@ class SpeculativeDecoder:
                  tokenizer=None, max_batch_size: int = 64, cost_model: CostModel | None = None,
                  prefill_chunk_tokens: int = 2048, step_timing: bool = True) -> None:
         spec = engine.spec
-        if method not in METHODS:
-            raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        if uses_heads(method):
-            if not spec.num_draft_heads:
-                raise ConfigError(f"method {method!r} needs draft heads; pass a drafter or use --method vanilla")
-            if spec.default_method != method:
-                raise ConfigError(f"method {method!r} does not match the engine's {spec.drafter_method!r} drafter")
         self.engine, self.method = engine, method
         self.tree = tree or TreeConfig()
-        if method == "suffix" and not self.tree.suffix_candidates:
-            raise ConfigError("method 'suffix' drafts with the suffix proposer: it needs a dynamic tree and "
-                              f"proposer 'suffix' (got proposer={self.tree.proposer!r}"
-                              f"{', a static tree' if self.tree.static_choices is not None else ''})")
+        check_method(method, self.tree, spec)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
                              device=spec.device)
         # model-free candidates, calibrated against the heads' per depth (docs/trees.md#model-free-candidates)
-        self.suffix_on = method != "vanilla" and self.tree.suffix_candidates and self.tree.budget > 0
-        self.calibration = (SourceCalibration(max(self.tree.proposer_depth, spec.num_draft_heads))
-                            if self.suffix_on else None)
+        self.suffix_on = suffix_candidates_on(method, self.tree)
         # an engine that runs whole steps on the device (docs/gpu-engine.md): greedy steps of heads' trees, the
         # suffix proposer's candidates merged in, or vanilla
         self.device_stepper = self._device_stepper(engine, method)
-        self.shared_suffix = None  # over earlier requests' outputs (TreeConfig.shared_suffix_tokens)
-        if self.suffix_on and self.tree.shared_suffix_tokens:
-            self.shared_suffix = SharedSuffixIndex(self.tree.shared_suffix_tokens)
-        # draft nodes proposed and accepted per source, over the steps with merged trees (reports, benchmarks)
-        self.source_counts = {"heads": [0, 0], "suffix": [0, 0]}
-        self.proposer_seconds = 0.0  # host time of the suffix proposals, summed over steps
-        if self.tree.static_choices is not None and uses_heads(method):
-            deepest_rank = max(max(p) for p in self.tree.static_choices)
-            if deepest_rank >= spec.draft_top_k:
-                raise ConfigError(f"static tree needs rank {deepest_rank}, the engine's draft top-k is {spec.draft_top_k}")
-        self.draft_cache = self._new_draft_cache()
         self._ids = itertools.count()
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # index == cache row
         self._cancelled: set[int] = set()
         self.adaptive = self._adaptive_budget(cost_model or getattr(engine, "cost_model", None)
                                               or self._device_cost_model(), step_timing)
-        max_tree = len(self.tree.static_choices) if self.tree.static_choices is not None else self.tree.budget
-        self._max_step_tokens = 1 + (max_tree if method != "vanilla" else 0)
         self._heads = uses_heads(method)
+        # what each step verifies; it prices suffix candidates with the adaptive chooser's cost model
+        self.proposer: Proposer = make_proposer(method, self.tree, engine, self.adaptive)
+        self._max_step_tokens = 1 + self.proposer.max_draft_nodes(self.tree)  # the cache room a step may need
+
+    # the suffix proposer's state, for reports, benchmarks and tests (defaults where the method has none)
+
+    @property
+    def source_counts(self) -> dict[str, list[int]]:
+        """Draft nodes proposed and accepted per source, over the steps with merged trees."""
+        return getattr(self.proposer, "source_counts", {"heads": [0, 0], "suffix": [0, 0]})
+
+    @property
+    def proposer_seconds(self) -> float:
+        """Host time of the suffix proposals, summed over steps."""
+        return getattr(self.proposer, "proposer_seconds", 0.0)
+
+    @property
+    def draft_cache(self) -> KVCache | None:
+        """Clover-2's drafter KV cache (engine contract v2), its rows aligned with ``cache``'s; None otherwise."""
+        owner = self.proposer.drafter_cache
+        return None if owner is None else owner.kv
+
+    @property
+    def calibration(self):
+        """The candidate sources' :class:`~clover.adaptive.SourceCalibration`; None without suffix candidates."""
+        return getattr(self.proposer, "calibration", None)
+
+    @property
+    def shared_suffix(self):
+        """The suffix index over earlier requests' outputs (``TreeConfig.shared_suffix_tokens``), or None."""
+        return getattr(self.proposer, "shared_suffix", None)
 
     def _device_stepper(self, engine: Engine, method: str):
         """The engine's device stepper where it has one and the method's steps can run there (heads' dynamic
@@ -339,19 +337,8 @@ class SpeculativeDecoder:
 
     def _device_given_shape(self) -> tuple[int, int]:
         """(suffix candidates per row, their deepest level) of a device step with suffix proposals: what
-        :meth:`_propose` offers."""
+        :meth:`clover.proposers.SuffixProposer.suffix_proposals` offers."""
         return (2 * self.tree.budget, self.tree.proposer_depth) if self.suffix_on else (0, 0)
-
-    def _new_draft_cache(self) -> KVCache | None:
-        """The drafter's own KV cache (``clover2``), shaped like the target's; None for the other methods."""
-        spec = self.engine.spec
-        if self.method != "clover2":
-            return None
-        if not spec.num_draft_kv_layers:
-            raise ConfigError("method 'clover2' needs an engine with draft_prefill (engine contract v2, "
-                              "num_draft_kv_layers > 0); rebuild the engine with the clover2 heads")
-        return KVCache(spec.num_draft_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
-                       device=spec.device)
 
     def _adaptive_budget(self, cost_model: CostModel | None, step_timing: bool) -> AdaptiveBudget | None:
         """The per-step budget chooser, or None for a fixed budget (``tree.adaptive`` False, vanilla, a static
@@ -383,7 +370,7 @@ class SpeculativeDecoder:
             eos = getattr(self.tokenizer, "eos_token_id", None)
             stop_ids = () if eos is None else (eos,)
         decode_text = self.tokenizer.decode if self.tokenizer is not None else None
-        seq = _Sequence(next(self._ids), request, tuple(stop_ids), decode_text)
+        seq = _Sequence(next(self._ids), request, tuple(stop_ids), decode_text, self.proposer.emitted)
         self._pending.append(seq)
         return seq.seq_id
 
@@ -446,16 +433,13 @@ class SpeculativeDecoder:
         return events
 
     def _remove(self, rows: list[int]) -> None:
-        if rows and self.shared_suffix is not None:  # finished outputs feed the shared suffix index
-            for row in rows:
-                if self._running[row].finish_reason in ("stop", "length"):
-                    self.shared_suffix.add(self._running[row].generated)
+        for row in rows:  # finished outputs feed the shared suffix index
+            self.proposer.finished(self._running[row])
         if rows:
             order = self.cache.remove_rows(rows)
             if self.device_stepper is not None:  # its root states are per row too
                 self.device_stepper.reorder(order)
-            if self.draft_cache is not None:  # the same compaction: rows stay aligned with the target cache
-                self.draft_cache.remove_rows(rows)
+            self.proposer.rows_removed(rows)  # clover2's draft cache: the same compaction
             self._running = [self._running[i] for i in order]
 
     def _prefill_chunks(self, seqs: list[_Sequence]) -> list[list[_Sequence]]:
@@ -496,11 +480,10 @@ class SpeculativeDecoder:
         events = []
         for seq, token, root in zip(seqs, first, roots):
             seq.root_token, seq.root_hidden = token, root  # root None: the device stepper holds it
-            if self.suffix_on:
-                seq.suffix = SuffixIndex(seq.request.prompt_ids)
+            self.proposer.start(seq)
             events.append(self._event(seq, seq.emit([token])))
         if result is not None:
-            self._draft_after_prefill(seqs, rows, result.h0, input_ids, lengths)
+            self.proposer.prefilled(seqs, rows, result.h0, input_ids, lengths)
         self._remove([new_rows.start + i for i, s in enumerate(seqs) if s.finish_reason])
         return events
 
@@ -536,13 +519,13 @@ class SpeculativeDecoder:
             if device_events is not None:
                 return events + device_events
             self._roots_to_host(seqs)
-        batch = self._build_trees(seqs, tree)
+        batch = self.proposer.propose(seqs, tree)
         past = self.cache.lengths_array.copy()  # int32 [n]; NumPy: docs/trees.md#host-work-per-step
         k_cache, v_cache = self.cache.views()
         result = self.engine.target(batch.input_ids, torch.from_numpy(past[:, None] + as_numpy(batch.position_offsets)),
                                     torch.from_numpy(past), batch.packed_mask, k_cache, v_cache)
         accepted = self._accept(seqs, result.logits, batch)
-        heads_accepted = self._observe_sources(batch, accepted)
+        heads_accepted = self.proposer.observe(batch, accepted)
         if self.adaptive is not None:
             self.adaptive.observe(tree.budget, heads_accepted)
 
@@ -564,7 +547,7 @@ class SpeculativeDecoder:
             if root_from_h0:
                 seq.root_hidden = root_rows[i]
             events.append(self._event(seq, seq.emit(acc.tokens), step_counts))
-        self._draft_after_step(seqs, result.h0, accepted)
+        self.proposer.stepped(seqs, result.h0, accepted)
         if self.adaptive is not None and self.adaptive.step_timing:  # what this budget really costs here
             self.adaptive.observe_time(len(seqs), tree.budget, time.perf_counter() - started,
                                        sum(len(a.path) for a in accepted) / len(accepted),
@@ -576,7 +559,7 @@ class SpeculativeDecoder:
         """One step on the device for every live sequence (docs/gpu-engine.md); None where it cannot run there
         (no batch bucket holds the batch)."""
         sampling = self._sampling_rows(seqs)  # None: greedy acceptance, else tree speculative sampling
-        proposals = [self._propose(seq, tree.proposer_depth) for seq in seqs] if self.suffix_on else []
+        proposals = self.proposer.suffix_proposals(seqs, tree.proposer_depth) if self.suffix_on else []
         given, given_depth = self._device_given_shape() if any(len(p.tokens) for p in proposals) else (0, 0)
         shape = self.device_stepper.shape(len(seqs), tree.budget if self._heads else 0, self._device_depth(),
                                           min(self.tree.top_k, self.engine.spec.draft_top_k), given, given_depth,
@@ -612,66 +595,6 @@ class SpeculativeDecoder:
             if seq.root_hidden is None:
                 seq.root_hidden = self.device_stepper.root_of(row)
 
-    def _build_trees(self, seqs: list[_Sequence], tree: TreeConfig) -> TreeBatch:
-        """Every sequence's tree at once, as buffers (docs/trees.md#host-work-per-step): the heads' draft at
-        ``tree.budget`` (0: none) with the suffix candidates merged in; root-only trees when neither proposes."""
-        roots = [s.root_token for s in seqs]
-        heads = self._heads and (tree.budget > 0 or tree.static_choices is not None)
-        merge = self._suffix_merge(seqs, tree) if self.suffix_on and self._suffix_may_pay(seqs, tree) else None
-        if not heads and merge is None:
-            return root_batch(roots)
-        root_hidden = torch.stack([s.root_hidden for s in seqs]) if heads else None
-        return draft_tree_batch(self.engine.draft_step if heads else None, root_hidden, roots, tree,
-                                self.engine.spec.num_draft_heads if heads else 0, merge)
-
-    def _suffix_may_pay(self, seqs: list[_Sequence], tree: TreeConfig) -> bool:
-        """False where the adaptive chooser stopped the heads' drafting for a batch of several sequences: a tree
-        in any row then moves the whole batch to the costlier pass of several sequences' trees, which the
-        suffix's few candidates did not pay for on a CPU (docs/trees.md#adaptive-tree-budget; 0.97x vanilla at
-        batch 8 before this rule). One sequence alone keeps its suffix candidates."""
-        return not (self.adaptive is not None and self._heads and tree.budget == 0 and len(seqs) > 1)
-
-    def _suffix_merge(self, seqs: list[_Sequence], tree: TreeConfig) -> TreeMerge | None:
-        """This step's suffix candidates (None when no sequence has any), sharing the largest tree budget with the
-        heads' ``tree.budget``; with a cost model, only candidates whose calibrated acceptance pays for them."""
-        started = time.perf_counter()
-        proposals = [self._propose(seq, tree.proposer_depth) for seq in seqs]
-        self.proposer_seconds += time.perf_counter() - started
-        if not any(len(p.tokens) for p in proposals):
-            return None
-        seconds = (self.adaptive.tree_step_seconds(len(seqs), tree.budget, self.tree.budget)
-                   if self.adaptive is not None else None)
-        return TreeMerge(proposals, self.tree.budget, self.calibration.factors(), seconds, min_nodes=tree.budget)
-
-    def _propose(self, seq: _Sequence, depth: int):
-        """The sequence's own suffix proposal, or the shared index's where that matched a longer suffix. Each
-        offers twice the tree budget, so that the merge's calibrated scores, not the index's counts alone, pick
-        the nodes (on MT-bench at budget 8 this moved τ by 0.01 at most: docs/results/suffix-tree)."""
-        proposal = seq.suffix.propose(depth, 2 * self.tree.budget)
-        if self.shared_suffix is not None:
-            shared = self.shared_suffix.propose(seq.suffix_context(), depth, 2 * self.tree.budget)
-            if shared.match_length > proposal.match_length:
-                return shared
-        return proposal
-
-    def _observe_sources(self, batch: TreeBatch, accepted: list[Accepted]) -> list[int]:
-        """Fold a step's acceptance into each source's calibration; returns each sequence's accepted draft tokens
-        that the heads proposed (the leading run of heads' nodes on its path), what the heads' chooser learns."""
-        if batch.sources is None:
-            return [len(a.path) - 1 for a in accepted]
-        sources = batch.sources
-        on_path = np.zeros(sources.bits.shape, dtype=bool)
-        for i, acc in enumerate(accepted):
-            on_path[i, acc.path[1:]] = True
-        self.calibration.observe(as_numpy(batch.position_offsets), sources.bits, sources.raw, sources.keys, on_path)
-        for column, name in enumerate(("heads", "suffix")):
-            proposed = ((sources.bits >> column) & 1).astype(bool)
-            self.source_counts[name][0] += int(proposed.sum())
-            self.source_counts[name][1] += int((proposed & on_path).sum())
-        by_heads = (sources.bits & SOURCE_HEADS).astype(bool)
-        return [next((j for j, node in enumerate(acc.path[1:]) if not by_heads[i, node]), len(acc.path) - 1)
-                for i, acc in enumerate(accepted)]
-
     @staticmethod
     def _accept(seqs: list[_Sequence], logits: torch.Tensor, batch: TreeBatch) -> list[Accepted]:
         """Each sequence's accepted path: greedy for the whole batch, then tree speculative sampling for the
@@ -682,63 +605,6 @@ class SpeculativeDecoder:
         for i in sampled:
             accepted[i] = sampling_accept(logits[i], trees[i], seqs[i].request.sampling, seqs[i].generator)
         return accepted
-
-    # -- clover2: the drafter's own KV cache (docs/engine-contract.md#version-2-draft_prefill) --
-
-    def _draft_after_prefill(self, seqs: list[_Sequence], rows: slice, h0: torch.Tensor, input_ids: torch.Tensor,
-                             lengths: torch.Tensor) -> None:
-        """Add the new prompts' rows to the draft cache and run the drafter's block over the prompts.
-
-        The token after prompt position t is prompt token t+1, and after the last one the first generated
-        token (the root); each root state is the block's state at the prompt's last position.
-        h0, input_ids ``[n, W]`` right-padded; lengths ``[n]``.
-        """
-        if self.draft_cache is None:
-            return
-        added = self.draft_cache.add_rows(len(seqs))
-        if (added.start, added.stop) != (rows.start, rows.stop):
-            raise RuntimeError("the draft cache's rows are out of step with the target cache's")
-        batch, width = input_ids.shape
-        next_token = torch.zeros_like(input_ids)  # [n, W]; padded positions read 0 and are never committed
-        next_token[:, :-1] = input_ids[:, 1:]
-        last = lengths - 1
-        next_token[torch.arange(batch), last] = torch.tensor([s.root_token for s in seqs])
-        state = self._draft_prefill(rows, h0, next_token, torch.arange(width).expand(batch, -1), lengths)
-        for i, seq in enumerate(seqs):
-            seq.root_hidden = state[i, last[i]].clone()
-
-    def _draft_after_step(self, seqs: list[_Sequence], h0: torch.Tensor, accepted: list[Accepted]) -> None:
-        """Run the drafter's block over each sequence's accepted path (vanilla steps too: the caches stay aligned).
-
-        Path node j (depth j) is followed by ``accepted.tokens[j]`` (the next accepted draft token, last the
-        bonus token); paths are right-padded to the longest and only each row's own length is committed.
-        The root state is the block's state at the path's last node. h0 ``[n, T, H]`` of the tree pass.
-        """
-        if self.draft_cache is None:
-            return
-        batch, width = len(accepted), max(len(a.path) for a in accepted)
-        paths = torch.tensor([a.path + [0] * (width - len(a.path)) for a in accepted])  # [n, A] tree node indices
-        next_token = torch.tensor([a.tokens + [0] * (width - len(a.tokens)) for a in accepted])  # [n, A]
-        counts = [len(a.path) for a in accepted]
-        flat = (torch.arange(batch)[:, None] * h0.shape[1] + paths).flatten()  # rows of h0 [n*T, H]
-        hidden = take_rows(h0.flatten(0, 1), flat).view(batch, width, -1)  # [n, A, H]
-        position_ids = self.draft_cache.lengths[:, None].long() + torch.arange(width)
-        state = self._draft_prefill(None, hidden, next_token, position_ids, torch.tensor(counts))
-        for i, seq in enumerate(seqs):
-            seq.root_hidden = state[i, counts[i] - 1].clone()
-
-    def _draft_prefill(self, rows: slice | None, hidden: torch.Tensor, next_token: torch.Tensor,
-                       position_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``engine.draft_prefill`` over T new causal positions of draft-cache ``rows`` (default: all live
-        rows), then commit the first ``counts[r]`` positions of row r. Returns the states ``[n, T, H]``."""
-        batch, width = next_token.shape
-        past = self.draft_cache.lengths[rows or slice(None)].clone()  # int32 [n]
-        k_cache, v_cache = self.draft_cache.views(rows)
-        result = self.engine.draft_prefill(hidden, next_token, position_ids, past, causal_packed_mask(batch, width),
-                                           k_cache, v_cache)
-        self.draft_cache.commit(result.present_keys, result.present_values, torch.arange(width).expand(batch, -1),
-                                counts, rows=rows)
-        return result.state
 
     @staticmethod
     def _event(seq: _Sequence, tokens: list[int], step_counts: tuple[int, int] | None = None) -> StepEvent:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from clover.config import PROPOSERS, ConfigError, TreeConfig
-from clover.decode import METHODS as DECODE_METHODS
+from clover.proposers import METHODS as DECODE_METHODS
 from clover.demo import default_engine_dir
 
 TORCH_MAX_BATCH = 16  # the torch path has no built-in limit; this keeps a CPU server responsive
