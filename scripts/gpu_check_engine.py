@@ -117,22 +117,11 @@ def copy_rate(device: torch.device, gib: int = 4) -> float | None:
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:
-    """Median seconds of ``fn()`` after two warm-ups (CUDA events on a GPU)."""
-    fn(), fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2]
+    """Median wall seconds of ``fn()`` after a warm-up, the device drained around each run
+    (training/cost_probe.py's measure, so a whole step's host work counts too)."""
+    from training.cost_probe import timed as wall_and_cpu_seconds
+
+    return wall_and_cpu_seconds(fn, repeats, device)[0]
 
 
 def step_engines(ctx, plan: EnginePlan):
