@@ -26,7 +26,7 @@ from clover.adaptive import AdaptiveBudget, CostModel
 from clover.attention import causal_packed_mask
 from clover.stats import tokens_per_step
 from clover.config import ConfigError, SamplingConfig, TreeConfig
-from clover.device_step import given_arrays
+from clover.device_step import given_arrays, sampling_arrays
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
 from clover.host_ops import as_numpy, cpu_tensor, take_rows
@@ -488,13 +488,13 @@ class SpeculativeDecoder:
         return events
 
     @staticmethod
-    def _sampling_rows(seqs: list[_Sequence]) -> np.ndarray | None:
-        """float ``[3, n]``: temperature, top-k and top-p per sequence, for a step on the device; None when every
-        sequence decodes greedily."""
+    def _sampling_rows(seqs: list[_Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The sequences' sampling settings, seeds and output lengths for a step on the device
+        (:func:`clover.device_step.sampling_arrays`); None when every sequence decodes greedily."""
         settings = [s.request.sampling for s in seqs]
         if all(setting.greedy for setting in settings):
             return None
-        return np.array([[x.temperature for x in settings], [x.top_k for x in settings], [x.top_p for x in settings]])
+        return sampling_arrays(settings, [s.request.seed for s in seqs], [len(s.generated) for s in seqs])
 
     def _decode_step(self) -> list[StepEvent]:
         seqs = self._running

@@ -259,17 +259,60 @@ def accept_greedy(logits: torch.Tensor, tree: DeviceTree, path_width: int) -> De
 @dataclasses.dataclass
 class DeviceSampling:
     """Each row's sampling settings as device tensors ``[B]``: temperature float32 (0: greedy), top_k int64 (0: no
-    filter), top_p float32."""
+    filter), top_p float32; and what seeds its draws: the request's seed as two 32-bit halves (int64) and the
+    tokens it has generated so far (docs/gpu-engine.md#sampling-seeds)."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    seed_low: torch.Tensor
+    seed_high: torch.Tensor
+    generated: torch.Tensor
 
 
-def sample_rows(logits: torch.Tensor, sampling: DeviceSampling) -> torch.Tensor:
+_MASK32 = 0xFFFFFFFF
+
+
+def sampling_arrays(settings, seeds: list[int], generated: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The host's side of :class:`DeviceSampling` for rows with ``settings`` (:class:`clover.config.SamplingConfig`),
+    request ``seeds`` (up to 64 bits) and tokens ``generated`` so far: float32 ``[3, n]`` (temperature, top-k,
+    top-p) and int64 ``[3, n]`` (seed's low and high 32 bits, generated)."""
+    floats = np.array([[x.temperature for x in settings], [x.top_k for x in settings], [x.top_p for x in settings]],
+                      dtype=np.float32)
+    ints = np.array([[seed & _MASK32 for seed in seeds], [(seed >> 32) & _MASK32 for seed in seeds], generated],
+                    dtype=np.int64)
+    return floats, ints
+
+
+def _times(x: torch.Tensor, multiplier: int) -> torch.Tensor:
+    """``x * multiplier mod 2**32`` for ``x < 2**32`` in int64 without overflow: the multiplier in 16-bit halves."""
+    low = x * (multiplier & 0xFFFF)
+    high = ((x * (multiplier >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32: good avalanche for a counter-based generator) as int64 ops."""
+    x = x ^ (x >> 16)
+    x = _times(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _times(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_draws(sampling: DeviceSampling, offset: int = 0) -> torch.Tensor:
+    """float32 ``[B]`` in [0, 1): the uniform number of each row's output position ``generated + offset``, a hash
+    of (seed, position). Counter-based, so a CUDA graph replays fresh numbers, and a request's draws depend on its
+    seed alone: not on the batch it shares, its tree or the step that reaches a position."""
+    position = (sampling.generated + offset) & _MASK32
+    state = _mix32(_mix32(_mix32(sampling.seed_low & _MASK32) ^ (sampling.seed_high & _MASK32)) ^ position)
+    return (state >> 8).to(torch.float32) / float(1 << 24)  # 24 bits: float32 holds them exactly, below 1
+
+
+def sample_rows(logits: torch.Tensor, sampling: DeviceSampling, offset: int = 0) -> torch.Tensor:
     """One token per row from logits ``[B, V]`` after temperature, top-k and top-p (the filters of
-    :func:`clover.verify.target_probs`); the argmax for greedy rows. One uniform number per row, drawn on the device
-    (graph-safe), picks the token by inverse CDF over the sorted distribution."""
+    :func:`clover.verify.target_probs`); the argmax for greedy rows. The row's uniform number of output position
+    ``generated + offset`` (:func:`uniform_draws`) picks the token by inverse CDF over the sorted distribution."""
     greedy = sampling.temperature <= 0
     scaled = logits.float() / torch.where(greedy, 1.0, sampling.temperature)[:, None]
     ordered, order = torch.sort(scaled, dim=-1, descending=True)
@@ -279,7 +322,7 @@ def sample_rows(logits: torch.Tensor, sampling: DeviceSampling) -> torch.Tensor:
     before = probs.cumsum(-1) - probs  # mass strictly before each token
     probs = probs.masked_fill(before >= sampling.top_p[:, None], 0.0)
     cumulative = probs.cumsum(-1)
-    uniform = torch.rand(logits.shape[0], 1, device=logits.device) * cumulative[:, -1:]
+    uniform = uniform_draws(sampling, offset)[:, None] * cumulative[:, -1:]
     picked = (cumulative <= uniform).sum(-1).clamp(max=logits.shape[-1] - 1)  # the first index past the draw
     sampled = order.gather(1, picked[:, None])[:, 0]
     return torch.where(greedy, logits.argmax(-1), sampled)
@@ -293,7 +336,9 @@ def accept_sampled(logits: torch.Tensor, tree: DeviceTree, sampling: DeviceSampl
     For one-token drafts this is the same distribution as trying the children in turn against the residual
     (:func:`clover.verify.sampling_accept`): child i is accepted with probability p(x_i), and the token emitted
     when none is, is distributed as the residual; so every emitted token follows the target's distribution.
-    Greedy rows draw the argmax, which makes this greedy acceptance.
+    Greedy rows draw the argmax, which makes this greedy acceptance. The token at depth d is drawn with the
+    row's uniform number of its output position (``offset=d``), so a seeded request emits the tokens its vanilla
+    decoding would, whatever the tree.
     """
     batch = tree.tokens.shape[0]
     device = logits.device
@@ -304,7 +349,7 @@ def accept_sampled(logits: torch.Tensor, tree: DeviceTree, sampling: DeviceSampl
     tokens = torch.zeros(batch, path_width, dtype=torch.int64, device=device)
     counts = torch.ones(batch, dtype=torch.int64, device=device)
     for depth in range(path_width):
-        drawn = sample_rows(logits[rows, current], sampling)
+        drawn = sample_rows(logits[rows, current], sampling, offset=depth)
         tokens[:, depth] = torch.where(alive, drawn, tokens[:, depth])
         if depth + 1 == path_width:
             break

@@ -8,6 +8,7 @@ graph needs) by tracing it as one graph.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -19,7 +20,8 @@ from clover.backends.device import DeviceEngine, kv_bucket
 from clover.config import SamplingConfig, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.device_step import (PADDING_SCORE, DeviceSampling, GivenCandidates, StepShape, accept_greedy,
-                                accept_sampled, given_arrays, propose_tree, root_tree, sample_rows)
+                                accept_sampled, given_arrays, propose_tree, root_tree, sample_rows,
+                                sampling_arrays, uniform_draws)
 from clover.engine_contract import DraftResult
 from clover.kv_cache import KVCache
 from clover.suffix import SuffixProposal
@@ -29,11 +31,11 @@ from tests.helpers import DeviceOracleEngine, hf_greedy, random_prompts
 MAX_NEW = 24
 
 
-def _generate(engine, method, prompts, budget=4, batch_size=4, max_new=MAX_NEW, sampling=None):
+def _generate(engine, method, prompts, budget=4, batch_size=4, max_new=MAX_NEW, sampling=None, seeds=None):
     decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=budget), max_batch_size=batch_size)
     assert decoder.device_stepper is not None, "the decoder did not take the device step"
     requests = [GenerationRequest(p, max_new_tokens=max_new, stop_token_ids=(),
-                                  sampling=(sampling or {}).get(i, SamplingConfig()))
+                                  sampling=(sampling or {}).get(i, SamplingConfig()), seed=(seeds or {}).get(i, 0))
                 for i, p in enumerate(prompts)]
     return decoder.generate(requests)
 
@@ -173,6 +175,41 @@ def test_a_sampling_request_on_the_device_leaves_its_greedy_neighbours_exact():
     assert len(results[1].token_ids) == MAX_NEW and results[1].token_ids != expected[1]
 
 
+def test_a_seeded_request_samples_the_same_tokens_alone_in_a_batch_and_as_vanilla():
+    """Each output position draws its own uniform number from (seed, position): the tokens a seeded request
+    samples depend on neither its neighbours, nor its tree, nor the step that reaches a position. Fails if the
+    draws come from a shared generator or are numbered per step."""
+    target = make_target(seed=3)
+    engine = DeviceEngine(target, make_drafter(target, num_heads=3, seed=13), max_seq_len=128)
+    prompts = random_prompts(3, 3, target.config.vocab_size, 1, 16)
+    hot = SamplingConfig(temperature=1.0)
+    batched = _generate(engine, "clover", prompts, 8, sampling={0: hot, 1: hot, 2: hot}, seeds={0: 5, 1: 7, 2: 2**40})
+    alone = _generate(engine, "clover", prompts[1:2], 8, sampling={0: hot}, seeds={0: 7})
+    vanilla = _generate(engine, "vanilla", prompts[1:2], 0, sampling={0: hot}, seeds={0: 7})
+    other_seed = _generate(engine, "clover", prompts[1:2], 8, sampling={0: hot}, seeds={0: 8})
+    assert batched[1].token_ids == alone[0].token_ids == vanilla[0].token_ids
+    assert other_seed[0].token_ids != alone[0].token_ids
+    assert batched[1].stats.num_steps < vanilla[0].stats.num_steps, "no draft token was accepted: a weak test"
+
+
+def test_uniform_draws_are_uniform_and_differ_by_every_part_of_the_seed():
+    from scipy.stats import chisquare
+
+    rows = 50000
+    floats, ints = sampling_arrays([SamplingConfig(temperature=1.0)] * rows, [3] * rows, list(range(rows)))
+    base = DeviceSampling(*torch.from_numpy(floats), *torch.from_numpy(ints))
+    draws = uniform_draws(base)
+    assert ((draws >= 0) & (draws < 1)).all()
+    assert chisquare(torch.histc(draws, bins=20, min=0, max=1).numpy()).pvalue > 1e-4
+    assert torch.equal(uniform_draws(base, offset=1)[:-1], draws[1:])  # offset: the next output position
+    for other_seed in (4, 3 + 2**32):  # the low and the high 32 bits both count
+        _, ints = sampling_arrays([SamplingConfig()] * rows, [other_seed] * rows, list(range(rows)))
+        other = uniform_draws(dataclasses.replace(base, seed_low=torch.from_numpy(ints[0]),
+                                                  seed_high=torch.from_numpy(ints[1])))
+        assert (other != draws).float().mean() > 0.99
+        assert abs(float(torch.corrcoef(torch.stack([draws, other]))[0, 1])) < 0.02
+
+
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """p-value of observed ``counts`` against ``probs`` (cells with probability 0 must be empty)."""
     from scipy.stats import chisquare
@@ -181,6 +218,14 @@ def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     assert counts[~support].sum() == 0, "a token outside the distribution's support was drawn"
     expected = probs[support].double() * counts.sum()
     return float(chisquare(counts[support].double().numpy(), expected.numpy()).pvalue)
+
+
+def _sampling(settings, seeds=None, generated=None) -> DeviceSampling:
+    """Rows of ``settings``, each with its own seed (default: its row index; large ones use the high half)."""
+    seeds = [row * 2**40 + row for row in range(len(settings))] if seeds is None else seeds
+    floats, ints = sampling_arrays(settings, seeds, [0] * len(settings) if generated is None else generated)
+    floats, ints = torch.from_numpy(floats), torch.from_numpy(ints)
+    return DeviceSampling(floats[0], floats[1].to(torch.int64), floats[2], ints[0], ints[1], ints[2])
 
 
 SETTINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3),
@@ -194,8 +239,7 @@ def test_device_sampling_draws_from_the_targets_distribution(setting):
     torch.manual_seed(0)
     draws = 20000
     logits = torch.tensor([2.0, 1.5, 0.3, -0.2, 1.1, -1.0])
-    sampling = DeviceSampling(torch.full((draws,), setting.temperature), torch.full((draws,), setting.top_k),
-                              torch.full((draws,), setting.top_p))
+    sampling = _sampling([setting] * draws)
     drawn = sample_rows(logits.expand(draws, -1), sampling)
     assert _chi_square_p(torch.bincount(drawn, minlength=6), target_probs(logits, setting)) > 1e-4
 
@@ -214,7 +258,7 @@ def test_tree_sampling_on_the_device_emits_the_targets_distribution_at_every_dep
     node_logits = torch.randn(7, 6)
     tree = DeviceTree(*(t.expand(draws, -1) for t in (tokens, depths, parents)),
                       ancestor_masks(parents, 2).expand(draws, -1, -1), 2)
-    sampling = DeviceSampling(torch.ones(draws), torch.zeros(draws, dtype=torch.int64), torch.ones(draws))
+    sampling = _sampling([setting] * draws)
     accepted = accept_sampled(node_logits.expand(draws, -1, -1), tree, sampling, 3)
     first, second = accepted.tokens[:, 0], accepted.tokens[:, 1]
     assert _chi_square_p(torch.bincount(first, minlength=6), target_probs(node_logits[0], setting)) > 1e-4

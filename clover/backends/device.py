@@ -178,7 +178,9 @@ class DeviceStepper:
         self._graphs: dict[tuple, tuple] = {}  # (shape, cache storage) -> (graph, output)
         self._pool = torch.cuda.graph_pool_handle() if engine.cuda_graphs else None  # one pool: graphs run in turn
         self._given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # candidates per row -> device buffers
-        self._settings = torch.zeros(3, cache.capacity, device=device)  # temperature, top-k, top-p per row
+        # per row: temperature, top-k, top-p; the seed's halves and tokens generated (device_step.sampling_arrays)
+        self._settings = torch.zeros(3, cache.capacity, device=device)
+        self._seeds = torch.zeros(3, cache.capacity, dtype=torch.int64, device=device)
         self.capture_seconds = 0.0
 
     @property
@@ -234,11 +236,11 @@ class DeviceStepper:
 
     @torch.inference_mode()
     def prefill(self, rows: slice, input_ids: torch.Tensor, lengths: torch.Tensor,
-                sampling: np.ndarray | None) -> list[int]:
+                sampling: tuple[np.ndarray, np.ndarray] | None) -> list[int]:
         """The causal pass over new prompts in cache ``rows`` (right-padded ``input_ids [n, W]``, ``lengths [n]``),
         on the device: their K/V and root states stay there, and only each first token comes back.
 
-        sampling: float ``[3, n]`` temperature, top-k, top-p per row (None: greedy).
+        sampling: :func:`clover.device_step.sampling_arrays` of the rows (None: greedy).
         """
         device, (batch, width) = self.root_hidden.device, input_ids.shape
         keys, values = self.cache.buffers
@@ -252,9 +254,8 @@ class DeviceStepper:
         self.root_hidden[rows] = h0[index]
         if sampling is None:
             return logits[index].argmax(-1).tolist()
-        settings = torch.from_numpy(np.asarray(sampling, dtype=np.float32)).to(device)
-        return sample_rows(logits[index], DeviceSampling(settings[0], settings[1].to(torch.int64),
-                                                         settings[2])).tolist()
+        self._upload_sampling(sampling)
+        return sample_rows(logits[index], self._device_sampling(batch)).tolist()
 
     @torch.inference_mode()
     def calibrate(self, depth: int, top_k: int, repeats: int = 5) -> CostModel:
@@ -278,11 +279,11 @@ class DeviceStepper:
 
     @torch.inference_mode()
     def step(self, shape: StepShape, root_tokens: list[int], given: np.ndarray | None = None,
-             sampling: np.ndarray | None = None) -> np.ndarray:
+             sampling: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """One decode step of the live rows; returns :func:`clover.device_step.emit`'s rows for them.
 
         given: :func:`clover.device_step.given_arrays` of the rows' suffix proposals, when ``shape.given``;
-        sampling: float ``[3, rows]`` temperature, top-k and top-p per row, when ``shape.sampling``.
+        sampling: :func:`clover.device_step.sampling_arrays` of the rows, when ``shape.sampling``.
         """
         rows = len(root_tokens)
         host = self._host_inputs
@@ -294,10 +295,20 @@ class DeviceStepper:
         if shape.given:
             self._upload_given(shape.given, given)
         if shape.sampling:
-            self._settings.zero_()  # padding rows: greedy
-            self._settings[:, :rows].copy_(torch.from_numpy(np.asarray(sampling, dtype=np.float32)), non_blocking=True)
+            self._upload_sampling(sampling)
         output = self._run(shape)
         return output[:rows].cpu().numpy()  # the step's one device-to-host copy
+
+    def _upload_sampling(self, sampling: tuple[np.ndarray, np.ndarray]) -> None:
+        floats, ints = sampling
+        rows = floats.shape[1]
+        self._settings.zero_()  # padding rows: greedy
+        self._settings[:, :rows].copy_(torch.from_numpy(floats), non_blocking=True)
+        self._seeds[:, :rows].copy_(torch.from_numpy(ints), non_blocking=True)
+
+    def _device_sampling(self, batch: int) -> DeviceSampling:
+        settings, seeds = self._settings[:, :batch], self._seeds[:, :batch]
+        return DeviceSampling(settings[0], settings[1].to(torch.int64), settings[2], seeds[0], seeds[1], seeds[2])
 
     def _given_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The device buffers of ``width`` given candidates per row: int64 ``[3, capacity, width]`` (tokens,
@@ -349,10 +360,7 @@ class DeviceStepper:
         if shape.given:
             ids, scores = self._given_buffers(shape.given)
             given = GivenCandidates(ids[0, :batch], ids[1, :batch], ids[2, :batch], scores[:batch])
-        sampling = None
-        if shape.sampling:
-            settings = self._settings[:, :batch]
-            sampling = DeviceSampling(settings[0], settings[1].to(torch.int64), settings[2])
+        sampling = self._device_sampling(batch) if shape.sampling else None
         return decode_step(target, draft, keys[:, :batch], values[:, :batch], self.lengths[:batch],
                            self.root_tokens[:batch], self.root_hidden[:batch], shape, given, sampling)
 
