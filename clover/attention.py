@@ -160,15 +160,23 @@ class InPlaceAttention:
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float | None = None) -> torch.Tensor:
         """q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]``, caches ``[B, Hkv, S, D]`` (written) -> ``[B, T, Hq, D]``."""
+        self.write(k, v, k_cache, v_cache)
+        return self.read(q, k, v, k_cache, v_cache, scale)
+
+    def write(self, k, v, k_cache, v_cache) -> None:
+        """The in-flight tokens' K/V into the caches at ``write_index``."""
         batch, num_tokens, num_kv_heads, head_dim = k.shape
         index = self.write_index[:, None, :, None].expand(batch, num_kv_heads, num_tokens, head_dim)
         k_cache.scatter_(2, index, k.transpose(1, 2).to(k_cache.dtype))
         v_cache.scatter_(2, index, v.transpose(1, 2).to(v_cache.dtype))
+
+    def read(self, q, k, v, k_cache, v_cache, scale: float | None = None) -> torch.Tensor:
+        """The attention output once :meth:`write` has run: by the kernel where one is set, else SDPA."""
         if self.kernel is not None:
             return self.kernel(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, self.past_lengths,
                                self.packed_mask, scale)
         keys, values = k_cache[:, :, : self.kv_len], v_cache[:, :, : self.kv_len]
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=self.visible, scale=scale,
-            enable_gqa=q.shape[2] != num_kv_heads)
+            enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)

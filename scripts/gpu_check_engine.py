@@ -199,46 +199,95 @@ def _graphed(fn):
     return graph.replay
 
 
-def kernel_engine(ctx, vanilla, plan: EnginePlan):
-    """The vanilla engine's target with the TreeAttention kernel as its attention, when kernel_build passed in this
-    run (its extension is then loaded, not rebuilt); else (None, why not)."""
+def attention_engines(ctx, vanilla, plan: EnginePlan) -> tuple[dict, str | None]:
+    """{"sdpa": engine, "kernel": engine} over the vanilla engine's target, each with its attention forced; the
+    kernel's only when kernel_build passed in this run (its extension is then loaded, not rebuilt), else why not."""
     from clover.backends.device import DeviceEngine
     from scripts.gpu_check_steps import built_kernel
 
+    engines = {"sdpa": DeviceEngine(vanilla.target_step.target, None, max_seq_len=plan.max_seq_len, attention="sdpa")}
     extension, why_not = built_kernel(ctx)
-    if extension is None:
-        return None, why_not
-    return DeviceEngine(vanilla.target_step.target, None, max_seq_len=plan.max_seq_len, attention="kernel"), None
+    if extension is not None:
+        engines["kernel"] = DeviceEngine(vanilla.target_step.target, None, max_seq_len=plan.max_seq_len,
+                                         attention="kernel")
+    return engines, why_not
 
 
-def timing_tables(ctx, plan: EnginePlan) -> tuple[list[dict], dict]:
-    vanilla, clover = step_engines(ctx, plan)
-    kernel, why_not = kernel_engine(ctx, vanilla, plan)
-    rate = copy_rate(ctx.device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in vanilla.target_step.parameters())
-    bound_ms = round(weight_bytes / rate * 1e3, 3) if rate else None
-    verify_rows, step_rows = [], []
+def chosen_attention(engine, batch: int, tokens: int, plan: EnginePlan) -> str:
+    """What the auto attention of ``engine`` took for this verify pass (after it ran)."""
+    from clover.backends.device import kv_bucket
+
+    timings = engine.attention.timings.get((batch, tokens, kv_bucket(plan.past + tokens, plan.max_seq_len)))
+    return "SDPA (no kernel)" if timings is None else ("kernel" if timings[1] < timings[0] else "SDPA")
+
+
+SLOW_PATH = (16, 16, 4096)  # batch, tree tokens, cached tokens: the kernel's slow shape (docs/results/gpu)
+
+
+def slow_path_row(engines: dict, ctx) -> list:
+    """[shape, SDPA ms, kernel ms, auto's pick] of one attention call at the kernel's slow shape, timed as the
+    auto attention times it at load."""
+    from clover.backends.attention_choice import AttentionChoice
+
+    kernel = engines.get("kernel")
+    if kernel is None:
+        return ["B 16 × T 16 × past 4096", None, None, "SDPA (no kernel)"]
+    batch, tokens, past = SLOW_PATH
+    choice = AttentionChoice("auto", kernel.attention.kernel, (kernel.attention.num_heads,
+                             kernel.attention.num_kv_heads, kernel.attention.head_dim), kernel.spec.dtype, ctx.device)
+    choice.kernel_for(batch, tokens, past + tokens)
+    sdpa, by_kernel = choice.timings[(batch, tokens, past + tokens)]
+    return ["B 16 × T 16 × past 4096", round(sdpa * 1e3, 3), round(by_kernel * 1e3, 3),
+            "kernel" if by_kernel < sdpa else "SDPA"]
+
+
+def verify_rows_for(ctx, vanilla, engines: dict, plan: EnginePlan) -> list[list]:
+    """[batch, tree tokens, auto ms, ÷ one-token pass, SDPA ms, kernel ms, probe ms, auto's pick] per shape."""
+    rows = []
     for batch in plan.batches:
         one = verify_ms(vanilla, batch, 1, plan, ctx)
         for tokens in plan.trees:
             ms = one if tokens == 1 else verify_ms(vanilla, batch, tokens, plan, ctx)
+            forced = {name: verify_ms(engine, batch, tokens, plan, ctx) for name, engine in engines.items()}
             probe = PROBE_MS.get((batch, tokens)) if plan.shape == "llama3-8b" else None
-            with_kernel = verify_ms(kernel, batch, tokens, plan, ctx) if kernel is not None else None
-            verify_rows.append([batch, tokens, ms, round(ms / one, 3), probe, with_kernel])
+            rows.append([batch, tokens, ms, round(ms / one, 3), forced["sdpa"], forced.get("kernel"), probe,
+                         chosen_attention(vanilla, batch, tokens, plan)])
+    return rows
+
+
+def step_rows_for(ctx, vanilla, clover, plan: EnginePlan, bound_ms: float | None) -> list[list]:
+    rows = []
+    for batch in plan.batches:
         base = step_ms(vanilla, batch, 0, plan, ctx)
-        step_rows.append([batch, "vanilla", base, 1.0, None if bound_ms is None else round(base / bound_ms, 3)])
+        rows.append([batch, "vanilla", base, 1.0, None if bound_ms is None else round(base / bound_ms, 3)])
         for budget in plan.budgets:
             ms = step_ms(clover, batch, budget, plan, ctx)
-            step_rows.append([batch, f"Clover, 3 heads, budget {budget}", ms, round(ms / base, 3), None])
-    tables = [report.table("tree-verify pass (target only), ms; attention by SDPA, and by the TreeAttention kernel "
-                           f"({'timed' if kernel is not None else why_not})",
-                           ["batch", "tree tokens", "ms", "÷ one-token pass", "probe ms", "kernel ms"], verify_rows),
+            rows.append([batch, f"Clover, 3 heads, budget {budget}", ms, round(ms / base, 3), None])
+    return rows
+
+
+def timing_tables(ctx, plan: EnginePlan) -> tuple[list[dict], dict]:
+    vanilla, clover = step_engines(ctx, plan)
+    engines, why_not = attention_engines(ctx, vanilla, plan)
+    rate = copy_rate(ctx.device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in vanilla.target_step.parameters())
+    bound_ms = round(weight_bytes / rate * 1e3, 3) if rate else None
+    verify_rows = verify_rows_for(ctx, vanilla, engines, plan)
+    step_rows = step_rows_for(ctx, vanilla, clover, plan, bound_ms)
+    slow = slow_path_row(engines, ctx)
+    kernel_note = "timed" if "kernel" in engines else why_not
+    tables = [report.table("tree-verify pass (target only), ms: attention auto (the default: the faster per shape, "
+                           f"timed at load), SDPA, and the TreeAttention kernel ({kernel_note})",
+                           ["batch", "tree tokens", "auto ms", "÷ one-token pass", "SDPA ms", "kernel ms",
+                            "probe ms", "auto took"], verify_rows),
+              report.table("one attention call at the kernel's slow shape, ms (auto's own timing at load)",
+                           ["shape", "SDPA ms", "kernel ms", "auto takes"], [slow]),
               report.table("whole decode step (inputs up, graph, one copy back), ms",
                            ["batch", "step", "ms", "÷ vanilla step", "÷ memory bound"], step_rows)]
     tables.append(report.table("aims (issue 44, on one H200)", ["aim", "measured", "target", "met"],
                                aim_rows(verify_rows, step_rows, plan)))
-    data = {"copy_bytes_per_s": rate, "weight_bytes": weight_bytes, "bound_ms": bound_ms,
-            "verify": verify_rows, "steps": step_rows, "plan": {k: str(v) for k, v in dataclasses.asdict(plan).items()}}
+    data = {"copy_bytes_per_s": rate, "weight_bytes": weight_bytes, "bound_ms": bound_ms, "verify": verify_rows,
+            "slow_path": slow, "steps": step_rows, "plan": {k: str(v) for k, v in dataclasses.asdict(plan).items()}}
     return tables, data
 
 
@@ -271,7 +320,7 @@ def gpu_engine(ctx) -> dict:
     tables += timing
     data["lossless"] = [dict(zip(columns, row)) for row in rows]
     notes = [f"timings: {plan.shape}, {str(plan.dtype).removeprefix('torch.')}, {plan.past} cached tokens, median of "
-             f"{plan.repeats}; random weights; attention: SDPA over the cache's filled bucket"]
+             f"{plan.repeats}; random weights; attention auto unless named"]
     failed = [f"{r[0]} (batch {r[1]}): {r[5]}" for r in rows if r[2] != "pass"]
     if failed:
         return report.outcome("fail", "; ".join(failed), data=data, tables=tables, notes=notes)

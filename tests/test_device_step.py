@@ -115,8 +115,76 @@ def test_the_kernel_attention_needs_cuda():
     target = make_target(seed=0)
     with pytest.raises(ConfigError, match="CUDA"):
         DeviceEngine(target, None, attention="kernel")
-    with pytest.raises(ConfigError, match="sdpa or kernel"):
+    with pytest.raises(ConfigError, match="auto, sdpa, kernel"):
         DeviceEngine(target, None, attention="flash")
+    assert DeviceEngine(target, None).attention.kernel is None  # auto on a CPU: SDPA, no kernel to build
+
+
+class _ScriptedTimer:
+    """A stand-in for the attention timer: the kernel is "faster" for passes of at most ``kernel_up_to`` tokens.
+    Counts the shapes it was asked to time."""
+
+    def __init__(self, kernel_up_to: int) -> None:
+        self.kernel_up_to, self.timed = kernel_up_to, []
+
+    def __call__(self, run, repeats, device):
+        attention = run.__defaults__[0]
+        tokens = attention.write_index.shape[1]
+        self.timed.append(tokens)
+        fast = (attention.kernel is not None) == (tokens <= self.kernel_up_to)
+        return 1.0 if fast else 2.0
+
+
+def test_auto_attention_takes_the_faster_per_shape_and_times_each_shape_once():
+    from clover.backends.attention_choice import TIMED_MAX_TOKENS, AttentionChoice
+
+    timer = _ScriptedTimer(kernel_up_to=4)
+    choice = AttentionChoice("auto", tree_attention, (4, 2, 8), torch.float32, torch.device("cpu"), timer=timer)
+    assert choice.kernel_for(2, 3, 256) is tree_attention and choice.kernel_for(2, 9, 256) is None
+    assert choice.kernel_for(2, 3, 256) is tree_attention and timer.timed == [3, 3, 9, 9]  # both ways, once per shape
+    assert choice.kernel_for(1, TIMED_MAX_TOKENS + 1, 512) is None and len(timer.timed) == 4  # prompts: SDPA, untimed
+    forced = AttentionChoice("kernel", tree_attention, (4, 2, 8), torch.float32, torch.device("cpu"), timer=timer)
+    assert forced.kernel_for(1, TIMED_MAX_TOKENS + 1, 512) is tree_attention and len(timer.timed) == 4
+
+
+def test_the_measured_attention_times_real_calls_of_both_ways(monkeypatch):
+    """The real timer on this CPU, with the reference op standing in for the kernel: both ways run on a shape
+    whose cache is filled to the attended length, and one is kept."""
+    from clover.backends.attention_choice import AttentionChoice
+
+    calls = []
+
+    def kernel(q, k, v, k_cache, v_cache, past_lengths, packed_mask, scale=None):
+        calls.append(int(past_lengths.min()))
+        return tree_attention(q, k, v, k_cache, v_cache, past_lengths, packed_mask, scale)
+
+    choice = AttentionChoice("auto", kernel, (4, 2, 8), torch.float32, torch.device("cpu"), repeats=3)
+    choice.kernel_for(2, 5, 256)
+    sdpa_seconds, kernel_seconds = choice.timings[(2, 5, 256)]
+    assert sdpa_seconds > 0 and kernel_seconds > 0 and calls and set(calls) == {256 - 5}
+
+
+def test_steps_that_switch_attention_by_shape_still_equal_transformers_generate():
+    """Passes of up to 9 tokens (the trees of budget 8) attend by the kernel path (the reference op standing in),
+    larger ones (the prompts) by SDPA: the tokens must not change, and both ways must have run."""
+    from clover.backends.attention_choice import AttentionChoice
+
+    target = make_target(seed=2)
+    engine = DeviceEngine(target, make_drafter(target, num_heads=3, seed=12), max_seq_len=128)
+    kernel_calls = []
+
+    def kernel(*args):
+        kernel_calls.append(args[0].shape[1])
+        return tree_attention(*args)
+
+    cfg = target.config
+    engine.attention = AttentionChoice("auto", kernel, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+                                       torch.float32, torch.device("cpu"), timer=_ScriptedTimer(kernel_up_to=9))
+    prompts = random_prompts(2, 3, target.config.vocab_size, 10, 24)
+    results = _generate(engine, "clover", prompts, 8, batch_size=3)
+    assert [r.token_ids for r in results] == hf_greedy(target, prompts, MAX_NEW)
+    assert kernel_calls and max(kernel_calls) <= 9
+    assert any(tokens > 9 for (_, tokens, _) in engine.attention.timings), "no pass went to SDPA"
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -70,6 +70,8 @@ def test_dry_run_measures_what_the_gpu_run_measures(dry_run):
     assert [(c["batch"], c["status"]) for c in engine["lossless"]] == [(b, "pass") for b in (1, 4) for _ in range(4)]
     assert all(c["tokens/step"] > 3 for c in engine["lossless"] if c["case"] == "Clover, oracle heads")
     assert [(r[0], r[1]) for r in engine["verify"]] == [(b, t) for b in (1, 4) for t in (1, 8, 16)]
+    assert all(r[2] > 0 and r[4] > 0 and r[5] is None and r[7] == "SDPA (no kernel)" for r in engine["verify"])
+    assert engine["slow_path"][1:] == [None, None, "SDPA (no kernel)"]  # the kernel needs CUDA
     assert [r[1] for r in engine["steps"]] == ["vanilla", "Clover, 3 heads, budget 8"] * 2
     assert {r[0] for r in steps["gpu_engine_demo"]["data"]["speed"]} == {1, 8}
     assert [r[0] for r in steps["gpu_engine_compile"]["data"]["rows"]] == ["vanilla step", "verify, 1 token",

@@ -23,6 +23,7 @@ import torch
 
 from clover.adaptive import CostModel, monotone_fit
 from clover.attention import InPlaceAttention, unpack_mask
+from clover.backends.attention_choice import AttentionChoice, load_kernel, median_seconds
 from clover.backends.torch import TorchEngine
 from clover.config import ConfigError, TreeConfig
 from clover.demo import cache_root
@@ -66,41 +67,27 @@ def compile_decoder_layers(target_step) -> None:
         layer.compile(dynamic=True)
 
 
-def _attention_kernel(attention: str, device: torch.device):
-    """The TreeAttention kernel's op for ``attention="kernel"``, None for SDPA; a clear error where it cannot be."""
-    if attention not in ("sdpa", "kernel"):
-        raise ConfigError(f"attention {attention!r}: choose sdpa or kernel")
-    if attention == "sdpa":
-        return None
-    if device.type != "cuda":
-        raise ConfigError("attention=kernel needs a CUDA device (the kernel is CUDA code); use sdpa")
-    from trt_plugins.torch_ext import load_extension  # import-guarded: builds with nvcc on first use
-
-    extension = load_extension()
-
-    def kernel(q, k, v, k_cache, v_cache, past_lengths, packed_mask, scale=None):
-        return extension.tree_attention(q, k, v, k_cache, v_cache, past_lengths, packed_mask,
-                                        0.0 if scale is None else scale)
-    return kernel
-
-
 class DeviceEngine(TorchEngine):
     """A torch engine whose decode step runs on the device (:meth:`device_stepper`).
 
-    ``cuda_graphs``: capture steps as CUDA graphs (on a CUDA device only; default there). ``attention``: ``sdpa``
-    (default) or ``kernel``, the project's TreeAttention CUDA kernel as a torch op (built with nvcc on first use:
+    ``cuda_graphs``: capture steps as CUDA graphs (on a CUDA device only; default there). ``attention``: ``auto``
+    (default: per step shape the faster of SDPA and the kernel, timed at load; SDPA on a CPU), ``sdpa``, or
+    ``kernel``: the project's TreeAttention CUDA kernel as a torch op (built with nvcc on first use:
     ``trt_plugins/torch_ext``; docs/gpu-engine.md#attention).
     """
 
     writes_cache_in_place = True
 
-    def __init__(self, *args, cuda_graphs: bool | None = None, attention: str = "sdpa", compile_layers: bool = False,
+    def __init__(self, *args, cuda_graphs: bool | None = None, attention: str = "auto", compile_layers: bool = False,
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; this engine is on " + str(self.device))
-        self.attention_kernel = _attention_kernel(attention, self.device)
+        config = self.target_step.target.config
+        self.attention = AttentionChoice(attention, load_kernel(attention, self.device),
+                                         (config.num_heads, config.num_kv_heads, config.head_dim), self.spec.dtype,
+                                         self.device)
         if compile_layers:
             compile_decoder_layers(self.target_step)
 
@@ -127,8 +114,9 @@ class DeviceEngine(TorchEngine):
 
     def device_target(self, input_ids, position_ids, attention: InPlaceAttention, k_cache, v_cache):
         """(logits, h0) of one pass on device tensors, writing the cache in place."""
-        if self.attention_kernel is not None:
-            attention.use_kernel(self.attention_kernel)
+        kernel = self.attention.kernel_for(input_ids.shape[0], input_ids.shape[1], attention.kv_len)
+        if kernel is not None:
+            attention.use_kernel(kernel)
         out = self.target_step(input_ids, position_ids, attention.write_index[:, 0], attention, k_cache, v_cache)
         return out.logits, out.h0
 
@@ -137,23 +125,6 @@ class DeviceEngine(TorchEngine):
 
     def device_stepper(self, cache: KVCache, max_batch_size: int, max_budget: int = 0) -> "DeviceStepper":
         return DeviceStepper(self, cache, max_batch_size, max_budget)
-
-
-def _median_seconds(run, repeats: int, device: torch.device) -> float:
-    """Median wall seconds of ``run()`` after one warm-up, the device's queue drained around each."""
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    run()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        began = time.perf_counter()
-        run()
-        synchronize()
-        times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2]
 
 
 class DeviceStepper:
@@ -269,7 +240,7 @@ class DeviceStepper:
             for budget in self.budgets:
                 shape = StepShape(batch, budget, depth if budget else 0, top_k, top_k, min(KV_BLOCK,
                                   self.cache.max_seq_len))
-                seconds = _median_seconds(lambda: self._run(shape), repeats, self.root_hidden.device)
+                seconds = median_seconds(lambda: self._run(shape), repeats, self.root_hidden.device)
                 curve = "target" if batch == 1 or shape.tree_tokens == 1 else "target_batched"
                 curves[curve].append([batch * shape.tree_tokens, seconds])
         self.root_hidden.copy_(saved_roots)
