@@ -149,7 +149,7 @@ def test_missing_sources_name_the_install_command(tmp_path, capsys):
     assert data_mod.INSTALL_SCRIPT in str(err.value)
     assert data_mod.main(["--output", str(tmp_path / "o"), "--docs-dir", str(tmp_path / "nope")]) == 2
     assert "python3-doc" in capsys.readouterr().err
-    assert (Path(__file__).resolve().parents[1] / "training" / "install_sources.sh").exists()
+    assert (Path(__file__).resolve().parents[1] / data_mod.INSTALL_SCRIPT.split()[-1]).exists()  # recipes/
 
 
 REAL = data_mod.find_sources()
