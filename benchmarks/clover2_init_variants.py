@@ -7,7 +7,7 @@ head 1 reads ``[state; e(root token)]``), ``raw-input`` (the mixer reads the raw
 public code), ``state-only-head1`` (head 1 reads the state alone, as in the public code: the embedding half of
 ``first_head`` is zero and stays zero), ``public`` (both). ``--draft-vocab DIR`` trains and scores over that
 draft vocabulary (16,384 ids).
-Needs the ShareGPT caches of training/sharegpt_pipeline.sh (outputs/data/cache/sharegpt-{train,eval}).
+Needs the ShareGPT caches of training/recipes/sharegpt_pipeline.sh (outputs/data/cache/sharegpt-{train,eval}).
 Prints, per variant, top-1 against the label and agreement with the target's top-1 on 12 held-out
 conversations.
 """

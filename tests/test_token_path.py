@@ -274,7 +274,7 @@ def test_triton_model_serves_concat_heads_token_for_token(engines):
 
 
 def test_recipe_curve_places_each_runs_agreement_at_its_tokens(tmp_path):
-    from training.recipe_curve import main as recipe_curve
+    from training.experiments.recipe_curve import main as recipe_curve
 
     for name, runs in {"small": {"a": [0.1, 0.05, 0.04], "b": [0.2, 0.1, 0.08]},
                        "large": {"a": [0.3, 0.15, 0.1], "b": [0.4, 0.2, 0.15]}}.items():

@@ -149,7 +149,7 @@ def test_missing_sources_name_the_install_command(tmp_path, capsys):
     assert data_mod.INSTALL_SCRIPT in str(err.value)
     assert data_mod.main(["--output", str(tmp_path / "o"), "--docs-dir", str(tmp_path / "nope")]) == 2
     assert "python3-doc" in capsys.readouterr().err
-    assert (Path(__file__).resolve().parents[1] / "training" / "install_sources.sh").exists()
+    assert (Path(__file__).resolve().parents[1] / data_mod.INSTALL_SCRIPT.split()[-1]).exists()  # recipes/
 
 
 REAL = data_mod.find_sources()
@@ -990,7 +990,7 @@ def test_curves_table_reads_the_last_point(tmp_path):
 
 
 def test_snapshot_heads_of_a_checkpoint_equal_the_heads_it_finishes_with(tiny, cache_dir, tmp_path):
-    from training import snapshot_heads
+    from training.experiments import snapshot_heads
 
     cfg = tiny_config(cache_dir, tmp_path / "run", method="clover2", save_every=1)
     train_mod.train(cfg, target=tiny["target"])  # the last checkpoint holds the final weights
@@ -1128,7 +1128,7 @@ def test_model_card_says_whether_the_answers_were_distilled_or_teacher_forced(tm
 
 
 def test_paired_tau_counts_per_question_wins_and_an_exact_sign_test(tmp_path):
-    from training import paired_tau
+    from training.experiments import paired_tau
 
     def write(name, steps_by_id):
         rows = [{"id": q, "category": "writing", "steps": s, "accepted": 128 - s, "new_tokens": 128}

@@ -252,9 +252,9 @@ def test_unsupported_checkpoints_are_clear_errors(tmp_path, capsys):
 
 
 def test_cost_probe_reports_time_memory_and_parameters(setup, monkeypatch, capsys):
-    """training/cost_probe.py (the per-token costs docs/train-your-own.md scales), on a checkpoint and on a
+    """training/experiments/cost_probe.py (the per-token costs docs/train-your-own.md scales), on a checkpoint and on a
     random-weight target of a named shape (here a tiny one; llama3-8b on a GPU)."""
-    from training import cost_probe
+    from training.experiments import cost_probe
 
     small = ["--device", "cpu", "--batch-tokens", "128", "--seq-len", "32", "--repeats", "1", "--row-chunk", "16"]
     assert cost_probe.main(["--target", str(setup["ckpt"]), *small]) == 0

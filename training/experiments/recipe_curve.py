@@ -1,6 +1,6 @@
 """Teacher-forced agreement against training tokens, one line per recipe, on the same axes (issue 28).
 
-    python -m training.recipe_curve \\
+    python -m training.experiments.recipe_curve \\
         --point residual=40k:outputs/h28/eval-tf/eval.json:residual \\
         --point residual=330k:outputs/h28/eval-full/eval.json:residual \\
         --point concat-topk=40k:... --output docs/results/heads-token-path

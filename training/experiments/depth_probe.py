@@ -1,6 +1,6 @@
 """Why does a deeper tree not accept more? Acceptance per depth and the trees built (issue 12, part 4).
 
-    python -m training.depth_probe --heads clover/assets/smollm2-135m-instruct/clover \\
+    python -m training.experiments.depth_probe --heads clover/assets/smollm2-135m-instruct/clover \\
         --depths 1,2,3 --budget 8 --prompts 6 --output docs/results/bench-heads5/probe.json
 
 Greedy decoding, one sequence at a time, fixed tree (``TreeConfig(budget, depth,

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A small end-to-end run of the whole pipeline (about 35 min on 2 CPU cores): 48 eval + 240 train
-# prompts distilled, 25k assistant tokens of training per method, evaluation. Usage: training/pilot.sh [WORKDIR]
+# prompts distilled, 25k assistant tokens of training per method, evaluation. Usage: training/recipes/pilot.sh [WORKDIR]
 set -euo pipefail
 W=$(realpath -m "${1:-outputs/pilot}")
-cd "$(dirname "$0")/.."  # the commands below run from the repository root
+cd "$(dirname "$0")/../.."  # the commands below run from the repository root
 date
-mkdir -p $W && (apt-get update -qq && bash training/install_sources.sh) > $W/install.log 2>&1 || echo "sources install failed (see $W/install.log)"
+mkdir -p $W && (apt-get update -qq && bash training/recipes/install_sources.sh) > $W/install.log 2>&1 || echo "sources install failed (see $W/install.log)"
 python -m training.data --output $W/data/prompts
 [ -f engines/demo-vanilla/engine.json ] || clover build --target demo --drafter none --max-seq 1024 --output engines/demo-vanilla
 python -m training.distill --prompts $W/data/prompts/eval.jsonl --engine engines/demo-vanilla --output $W/data/distill/eval.jsonl --limit 48 --batch-size 16

@@ -1,7 +1,7 @@
 """Per-token cost of training heads: the target's forward pass and one training step, time and memory.
 
-    python -m training.cost_probe --target demo --device cpu --threads 2
-    python -m training.cost_probe --shape llama3-8b --device cuda --grad-checkpoint   # random weights, bf16
+    python -m training.experiments.cost_probe --target demo --device cpu --threads 2
+    python -m training.experiments.cost_probe --shape llama3-8b --device cuda --grad-checkpoint   # random weights, bf16
 
 Random token ids (the cost does not depend on the text), ``--batch-tokens`` per step in sequences of
 ``--seq-len``, the second half of each an answer (so about half the positions are roots). It times

@@ -1,6 +1,6 @@
 """Write the heads of an unfinished training run's last checkpoint, to evaluate or try them mid-run.
 
-    python -m training.snapshot_heads outputs/runs/sharegpt-clover2 outputs/snapshots/clover2-step40
+    python -m training.experiments.snapshot_heads outputs/runs/sharegpt-clover2 outputs/snapshots/clover2-step40
 
 ``train.py`` saves the final heads only when a run finishes; its checkpoint
 (``train_state.pt``, written every ``--save-every`` steps) holds the weights

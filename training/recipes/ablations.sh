@@ -3,12 +3,12 @@
 # Clover, Medusa and the three Clover ablations trained on the same data, order and token budget
 # (training/configs/ablation.json: 90k assistant tokens), then evaluated on the same eval split.
 #
-#   bash training/ablations.sh [OUT]   (default OUT=outputs/ablation; rerun to resume any stage)
+#   bash training/recipes/ablations.sh [OUT]   (default OUT=outputs/ablation; rerun to resume any stage)
 #
 # TRAIN_PROMPTS / EVAL_PROMPTS (default 600 / 120) set how many prompts are distilled; PER_CATEGORY (default 4)
 # how many eval prompts per category are decoded. Writes OUT/eval/{eval.json,eval.md,*.png}.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${1:-outputs/ablation}"
 TRAIN_PROMPTS="${TRAIN_PROMPTS:-600}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-120}"

@@ -1,6 +1,6 @@
 """Diagnose how draft heads use the token they are given (issue 28; docs/results/heads-token-path).
 
-    python -m training.diagnose_heads --heads clover=clover/assets/smollm2-135m-instruct/clover \\
+    python -m training.experiments.diagnose_heads --heads clover=clover/assets/smollm2-135m-instruct/clover \\
         --heads medusa=clover/assets/smollm2-135m-instruct/medusa --output docs/results/heads-token-path
 
 On the target's own greedy answers to MT-bench first turns (evaluation only: never train on them), decoded

@@ -1,6 +1,6 @@
 """Paired per-question comparison of two heads' MT-bench tau (issue 35's ablations).
 
-    python -m training.paired_tau outputs/ablation35/eval-last/mtbench_rows/last \\
+    python -m training.experiments.paired_tau outputs/ablation35/eval-last/mtbench_rows/last \\
         outputs/ablation35/eval-eagle3/mtbench_rows/eagle3 --budgets 2,4,8,32
 
 Each argument is a ``training/evaluate.py`` rows prefix: ``PREFIX-b{budget}.jsonl`` holds one row per question.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The ShareGPT pipeline of issue 12 on the demo target, sized for a 2-core CPU
 # (training/README.md#sharegpt). Every stage resumes: rerun the same command.
-#   nice -n 10 bash training/sharegpt_pipeline.sh [data|distill|ablation|main|eval|all] > outputs/logs/pipeline.log 2>&1 &
+#   nice -n 10 bash training/recipes/sharegpt_pipeline.sh [data|distill|ablation|main|eval|all] > outputs/logs/pipeline.log 2>&1 &
 # Knobs (environment): TRAIN_PARTS (parts of the training cache, default 5: teacher-forced ShareGPT records
 # [0, FIRST_RECORDS=150) in sharegpt-train, then PART_RECORDS=300 more per part in sharegpt-train-K; each part is
 # sealed and usable on its own, so the data grows without redoing what is cached),
@@ -13,7 +13,7 @@
 # FINETUNE_INIT (heads the finetune stage starts from: the shipped Clover heads), FINETUNE_EPOCHS (2),
 # FINETUNE_MAX_TOKENS (answer-token cap over all epochs; default: none, unlike demo.json's 500k of the runs from scratch).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STAGE=${1:-all}
 DISTILL_PROMPTS=${DISTILL_PROMPTS:-4000}
 TRAIN_PARTS=${TRAIN_PARTS:-5}

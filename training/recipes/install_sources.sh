@@ -2,7 +2,7 @@
 # Installs the offline text sources of training/data.py (docs/demo.md#offline-training-data): Debian/Ubuntu apt
 # packages (as root, else through sudo; skipped with a note where neither apt nor sudo is there), and pip packages
 # into the active Python (PYTHON=..., default python3), so run it with Clover's virtual environment activated:
-#   bash training/install_sources.sh
+#   bash training/recipes/install_sources.sh
 # Optional: the recommended path to train heads for your own model (README: ShareGPT, --features online) needs
 # none of these; training/data.py leaves out any source that is missing.
 set -euo pipefail
