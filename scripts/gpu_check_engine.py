@@ -70,16 +70,29 @@ def lossless_rows(ctx) -> list[list]:
                  "Clover, oracle heads": (DeviceOracleEngine(model, prompts, expected), "clover")}
         for name, (engine, method) in cases.items():
             rows.append([name, batch, *_decode_against(engine, method, prompts, expected, ctx)])
+        # seeded sampling: each position's draw is a hash of (seed, position), so Clover from graphs must sample
+        # what vanilla samples with the same seeds, run eagerly (docs/gpu-engine.md#sampling-seeds)
+        eager = DeviceEngine(model, None, max_seq_len=128, cuda_graphs=False)
+        sampled = [r.token_ids for r in _decode(eager, "vanilla", prompts, sampled=True)[0]]
+        rows.append(["Clover, random heads, sampled (seeded) vs vanilla eager", batch,
+                     *_decode_against(cases["Clover, random heads"][0], "clover", prompts, sampled, ctx, True)])
     return rows
 
 
-def _decode_against(engine, method, prompts, expected, ctx) -> list:
-    """[status, tokens/step, graphs, detail] of one run against the reference tokens."""
-    from clover.config import TreeConfig
+def _decode(engine, method, prompts, sampled: bool = False):
+    """(results, decoder) of greedy decoding, or sampling at temperature 1 with seed 7 + the prompt's index."""
+    from clover.config import SamplingConfig, TreeConfig
     from clover.decode import GenerationRequest, SpeculativeDecoder
 
     decoder = SpeculativeDecoder(engine, method, TreeConfig(budget=8, adaptive=False), max_batch_size=len(prompts))
-    results = decoder.generate([GenerationRequest(p, max_new_tokens=NEW_TOKENS, stop_token_ids=()) for p in prompts])
+    sampling = SamplingConfig(temperature=1.0) if sampled else SamplingConfig()
+    return decoder.generate([GenerationRequest(p, max_new_tokens=NEW_TOKENS, stop_token_ids=(), sampling=sampling,
+                                               seed=7 + i) for i, p in enumerate(prompts)]), decoder
+
+
+def _decode_against(engine, method, prompts, expected, ctx, sampled: bool = False) -> list:
+    """[status, tokens/step, graphs, detail] of one run against the reference tokens."""
+    results, decoder = _decode(engine, method, prompts, sampled)
     got, stepper = [r.token_ids for r in results], decoder.device_stepper
     mismatched = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
     detail = f"sequence {mismatched[0]} differs" if mismatched else "equal"

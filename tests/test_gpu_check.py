@@ -67,7 +67,8 @@ def test_dry_run_measures_what_the_gpu_run_measures(dry_run):
     assert steps["train_step"]["data"]["tokens_per_step"] == 128
     assert json.loads((out / "cost_probe_gpu_check_tiny.json").read_text())["online_tokens_per_s"] > 0
     engine = steps["gpu_engine"]["data"]
-    assert [(c["batch"], c["status"]) for c in engine["lossless"]] == [(b, "pass") for b in (1, 4) for _ in range(4)]
+    assert [(c["batch"], c["status"]) for c in engine["lossless"]] == [(b, "pass") for b in (1, 4) for _ in range(5)]
+    assert [c["case"] for c in engine["lossless"]][4].endswith("sampled (seeded) vs vanilla eager")
     assert all(c["tokens/step"] > 3 for c in engine["lossless"] if c["case"] == "Clover, oracle heads")
     assert [(r[0], r[1]) for r in engine["verify"]] == [(b, t) for b in (1, 4) for t in (1, 8, 16)]
     assert all(r[2] > 0 and r[4] > 0 and r[5] is None and r[7] == "SDPA (no kernel)" for r in engine["verify"])
