@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from clover.config import PROPOSERS, ConfigError, SamplingConfig, TreeConfig, sampling_range_error
+from clover.proposers import DEFAULT_METHOD, METHOD_CHOICES, METHODS, method_traits
 from clover.speed_report import report_lines
 
 
@@ -66,7 +67,7 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--cache-dir", help="where the demo checkpoint is converted to (default: $CLOVER_CACHE_DIR or ~/.cache/clover)")
     p.add_argument("--engine", type=Path, help="built engine directory (clover build); replaces "
                    "--target/--drafter: tokenizer, heads and limits come from its engine.json")
-    p.add_argument("--method", choices=["vanilla", "medusa", "clover", "clover2", "suffix"], default=None,
+    p.add_argument("--method", choices=METHODS, default=None,
                    help="decoding method (default: the family of the heads in use, clover for the torch path; "
                         "vanilla for an engine without heads); clover2: Clover-2 heads (none are shipped yet: "
                         "untrained ones unless --drafter names trained ones); suffix: no heads, only candidates "
@@ -126,8 +127,8 @@ def _generate_engine_dir(args) -> Path | None:
         if args.backend == "torch":
             raise ConfigError("--engine runs on its own backend; drop --backend torch (or --engine)")
         return args.engine
-    demo_default = (args.target == "demo" and args.drafter in (None, "demo-clover")
-                    and args.method not in ("medusa", "clover2"))
+    demo_default = (args.target == "demo" and args.drafter in (None, "demo-clover")  # the demo engine's Clover heads
+                    and (args.method is None or method_traits(args.method).runs_on_heads_of(DEFAULT_METHOD)))
     if args.backend == "torch" or (args.backend == "auto" and (not demo_default or _on_gpu(args))):
         return None
     if not demo_default:
@@ -150,11 +151,11 @@ def _load_generate_engine(args):
         return engine, load_tokenizer(engine_dir)
     from clover.backends import load_checkpoint_engine
 
-    args.method = args.method or "clover"
+    args.method = args.method or DEFAULT_METHOD
     engine = load_checkpoint_engine(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir,
                                     device=args.device)
     on_device = getattr(engine, "device_stepper", None) is not None  # it times its own steps (docs/gpu-engine.md)
-    if args.adaptive is not False and args.method != "vanilla" and not on_device:
+    if args.adaptive is not False and method_traits(args.method).drafts and not on_device:
         print("[clover] timing the torch engine's steps for the adaptive tree budget (seconds)", file=sys.stderr)
         budget = TreeConfig().budget if args.tree_budget is None else args.tree_budget
         engine.calibrate_cost_model(min(256, args.batch_size * (1 + budget)))
@@ -219,7 +220,7 @@ def cmd_generate(args) -> int:
                                   max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   stop_strings=tuple(args.stop), seed=args.seed + i, request_id=r["id"])
                 for i, r in enumerate(rows)]
-    compare = (args.prompt is not None if args.compare is None else args.compare) and args.method != "vanilla"
+    compare = (args.prompt is not None if args.compare is None else args.compare) and method_traits(args.method).drafts
     if compare:  # both methods timed warm: the first calls of an engine are slower (clover serve --demo warms up too)
         _warm_up(decoder, requests[0])
     start = time.perf_counter()
@@ -300,7 +301,7 @@ def summary_lines(summary: dict, compared: bool = False) -> list[str]:
     compare with vanilla itself) how to."""
     line = (f"[clover] {summary['method']}: {summary['new_tokens']} tokens in {summary['decode_seconds']:.2f} s "
             f"({summary['tokens_per_second']:.1f} tok/s, {summary['tokens_per_step']:.2f} tokens/step")
-    if summary["method"] == "vanilla":
+    if not method_traits(summary["method"]).drafts:
         return [line + ")"]
     lines = [line + f", acceptance rate {summary['acceptance_rate']:.2f}: {summary['accepted_draft_tokens']} of "
                     f"{summary['draft_tokens']} draft tokens accepted)"]
@@ -333,7 +334,7 @@ def add_serve_parser(subparsers) -> None:
                    "~/.cache/clover for an installed package)")
     p.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "torch"], default="auto",
                    help="engine backend; auto takes the one engine.json names")
-    p.add_argument("--method", choices=["auto", "clover", "clover2", "medusa", "vanilla", "suffix"], default="auto",
+    p.add_argument("--method", choices=METHOD_CHOICES, default="auto",
                    help="decoding method; auto: the engine's heads if it has some, else vanilla; suffix: candidates "
                         "copied from the prompt and answer only (also on an engine without heads)")
     p.add_argument("--proposer", choices=["auto", *PROPOSERS], default="auto",

@@ -32,6 +32,12 @@ def decoding_method(drafter_method: str | None) -> str:
     return drafter_method if drafter_method in ("medusa", "clover2") else "clover"
 
 
+def drafter_has_draft_prefill(drafter_method: str) -> bool:
+    """Whether heads of ``drafter_method`` keep their own KV cache, written by ``draft_prefill`` (engine contract
+    v2: Clover-2), before a :class:`DrafterConfig` exists (its mixers take the target's attention head count)."""
+    return drafter_method == "clover2"
+
+
 def read_json_file(path: Path, missing: str) -> Any:
     """Parsed JSON of ``path``; :class:`ConfigError` with ``missing`` when absent, or naming the parse error."""
     if not path.exists():
@@ -229,7 +235,12 @@ class DrafterConfig(JsonMixin):
     @property
     def has_draft_prefill(self) -> bool:
         """The drafter keeps its own KV cache, written by ``draft_prefill`` (engine contract v2)."""
-        return self.method == "clover2"
+        return drafter_has_draft_prefill(self.method)
+
+    @property
+    def is_medusa(self) -> bool:
+        """Medusa heads: no regressive connection, and their output norm is the target's, frozen."""
+        return self.method == "medusa"
 
     @property
     def regressive(self) -> str | None:

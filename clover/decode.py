@@ -30,7 +30,8 @@ from clover.device_step import given_arrays, sampling_arrays
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
 from clover.host_ops import as_numpy, cpu_tensor, take_rows
-from clover.proposers import Proposer, check_method, make_proposer, suffix_candidates_on, uses_heads
+from clover.proposers import (Proposer, check_method, make_proposer, method_traits, suffix_candidates_on,
+                              uses_heads)
 from clover.tree import TreeBatch
 from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
 
@@ -314,7 +315,7 @@ class SpeculativeDecoder:
         """The engine's device stepper where it has one and the method's steps can run there (heads' dynamic
         trees or vanilla; not suffix, not clover2's second cache, not static trees); else None."""
         factory = getattr(engine, "device_stepper", None)  # a capability of the engine, not every backend's
-        if factory is None or method in ("suffix", "clover2") or self.tree.static_choices is not None:
+        if factory is None or not method_traits(method).runs_on_device_stepper or self.tree.static_choices is not None:
             return None
         stepper = factory(self.cache, self.max_batch_size, self.tree.budget if uses_heads(method) else 0)
         given, given_depth = self._device_given_shape()
@@ -344,7 +345,7 @@ class SpeculativeDecoder:
         """The per-step budget chooser, or None for a fixed budget (``tree.adaptive`` False, vanilla, a static
         tree, or no cost model where adaptivity was not required)."""
         wanted, spec = self.tree.adaptive, self.engine.spec
-        if wanted is False or self.method == "vanilla" or self.tree.static_choices is not None:
+        if wanted is False or not method_traits(self.method).drafts or self.tree.static_choices is not None:
             return None
         if cost_model is None:
             if wanted:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from clover.config import ConfigError, DrafterConfig, TargetConfig
+from clover.config import ConfigError, DrafterConfig, TargetConfig, drafter_has_draft_prefill
 from clover.target import DecoderLayer, LlamaTarget, RMSNorm, rope_cos_sin, target_fingerprint
 
 WEIGHTS_FILE = "model.safetensors"
@@ -157,12 +157,12 @@ class Drafter(nn.Module):
             self.regressive = None
         self.heads = StackedResBlocks(config.num_heads, hidden)
         self.head_norm = RMSNorm(hidden, eps)
-        if config.method == "medusa":
+        if config.is_medusa:
             self.head_norm.requires_grad_(False)
 
     @property
     def is_medusa(self) -> bool:
-        return self.config.method == "medusa"
+        return self.config.is_medusa
 
     # capability (docs/engine-contract.md#version-2-draft_prefill): Clover-2 overrides it
     has_draft_prefill = False
@@ -410,7 +410,7 @@ def calibrate_token_scale(drafter: nn.Module, h0: torch.Tensor) -> float | None:
 def new_drafter_config(method: str, num_heads: int, target: LlamaTarget, **fields) -> DrafterConfig:
     """A drafter config sized for ``target``; Clover-2's mixers get the target's attention head count."""
     cfg = target.config
-    if method == "clover2":
+    if drafter_has_draft_prefill(method):
         fields.setdefault("num_attention_heads", cfg.num_heads)
     return DrafterConfig(method=method, num_heads=num_heads, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                          target_num_layers=cfg.num_layers, **fields)

@@ -1,6 +1,7 @@
 """Structural rules of the code base: no import cycles in clover/ or training/, the training pipeline apart from its
 experiments and recipes, a light CLI import, short functions, no private names used across modules, no sys.path
-edits outside tests."""
+edits outside tests, no method names compared outside the proposers' factory (and the drafter architectures'
+config)."""
 
 from __future__ import annotations
 
@@ -364,3 +365,79 @@ def test_no_sys_path_edits_outside_tests():
     found = [edit for path in files if str(path.relative_to(ROOT)) not in SYS_PATH_EXEMPT
              for edit in sys_path_edits(path)]
     assert not found, "sys.path edited outside tests/ (run the script with python -m instead):\n" + "\n".join(found)
+
+
+# Decoding methods are named in clover/proposers.py (the factory: METHODS, method_traits) and drafter
+# architectures in clover/config.py (DRAFTER_METHODS, DrafterConfig's capabilities); everywhere else asks their
+# traits, never compares a name (issue 46).
+METHOD_NAME_HOMES = ("clover/proposers.py", "clover/config.py")
+AUTO = "auto"  # a method name only where compared with something named method (backend, device... use it too)
+
+
+def method_vocabulary() -> frozenset[str]:
+    from clover.config import DRAFTER_METHODS
+    from clover.proposers import METHODS
+
+    return frozenset(METHODS) | frozenset(DRAFTER_METHODS)
+
+
+def _string_constants(node: ast.expr) -> list[str]:
+    """The string constants of ``node``: itself, or the items of a literal tuple, list or set (starred ones too)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [s for item in node.elts for s in _string_constants(item.value if isinstance(item, ast.Starred)
+                                                                      else item)]
+    return []
+
+
+def _names_a_method(node: ast.expr) -> bool:
+    """Whether ``node`` (a name, attribute, subscript or call) mentions ``method`` (``args.method``,
+    ``s["method"]``, ``method``...)."""
+    return not _string_constants(node) and "method" in ast.unparse(node).lower()
+
+
+def method_name_comparisons(path: Path, vocabulary: frozenset[str], root: Path | None = None) -> list[str]:
+    """Each comparison with a method name in one file (``x == "vanilla"``, ``m in ("suffix", "clover2")``,
+    ``"medusa" in engines``; ``"auto"`` only against something named method), and each argparse ``choices=``
+    literal holding one (the choices come from the factory's constant)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    where, found = path.relative_to(root or ROOT), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            named = set().union(*(set(_string_constants(o)) for o in operands)) & vocabulary
+            if AUTO in {s for o in operands for s in _string_constants(o)} and any(map(_names_a_method, operands)):
+                named.add(AUTO)
+            if named:
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+        elif isinstance(node, ast.keyword) and node.arg == "choices" and set(_string_constants(node.value)) & vocabulary:
+            found.append(f"{where}:{node.value.lineno} choices={ast.unparse(node.value)}")
+    return found
+
+
+def test_method_name_check_catches_every_form(tmp_path):
+    (tmp_path / "clover").mkdir()
+    (tmp_path / "clover" / "proposers.py").write_text("ok = method == 'vanilla'\n")  # the factory may
+    (tmp_path / "clover" / "bad.py").write_text(
+        "a = args.method != 'vanilla'\nb = m in ('suffix', 'clover2')\nc = 'medusa' in engines\n"
+        "d = method == 'auto'\ne = x in (*OTHERS, 'clover-no-augment')\n"
+        "p.add_argument('--method', choices=['auto', 'clover'])\n"
+        "fine = backend == 'auto' or device in ('auto', 'cpu') or name == 'clover+suffix'\n"
+        "p.add_argument('--backend', choices=['auto', 'torch'])\nq = s['method'] == VANILLA_LINE\n")
+    vocabulary = frozenset({"vanilla", "medusa", "clover", "clover2", "suffix", "clover-no-augment"})
+    found = [use for path in sorted((tmp_path / "clover").rglob("*.py"))
+             if str(path.relative_to(tmp_path)) not in METHOD_NAME_HOMES
+             for use in method_name_comparisons(path, vocabulary, tmp_path)]
+    assert [use.split()[0] for use in found] == [f"clover/bad.py:{line}" for line in (1, 2, 3, 4, 5, 6)], found
+
+
+def test_no_method_name_comparisons_outside_the_factory():
+    """A call site asks :func:`clover.proposers.method_traits` (or a :class:`~clover.config.DrafterConfig`
+    capability) what a method does, so a new method is one entry in the factory, not a hunt through the code."""
+    vocabulary = method_vocabulary()
+    files = [p for p in sorted((ROOT / PACKAGE).rglob("*.py")) if str(p.relative_to(ROOT)) not in METHOD_NAME_HOMES]
+    assert len(files) > 30, "the package was not read"
+    found = [use for path in files for use in method_name_comparisons(path, vocabulary)]
+    assert not found, ("method names compared outside clover/proposers.py and clover/config.py (ask "
+                       "proposers.method_traits or a DrafterConfig capability):\n" + "\n".join(found))

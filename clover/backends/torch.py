@@ -21,6 +21,7 @@ from torch import nn
 from clover.config import ConfigError
 from clover.drafters import Drafter, draft_vocab_of
 from clover.engine_contract import DraftPrefillResult, DraftResult, EngineSpec, TargetResult
+from clover.proposers import method_traits
 from clover.target import LlamaTarget
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class TorchEngine:
         path = resolve_target(None if target is None else str(target), cache_dir)
         model = load_target(path)
         heads = None
-        if method not in ("vanilla", "suffix"):
+        if method_traits(method).uses_heads:
             drafter_dir = resolve_drafter(drafter, None if target is None else str(target), method)
             if drafter_dir is not None:
                 heads = load_drafter(drafter_dir, model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+VANILLA_LINE = "vanilla"  # the line (sample "method") of plain decoding: the baseline of the speed ratios
 # what each sweep reports per configuration (median and min–max over repeats)
 METRICS = {"batch": ("tokens_per_s", "tokens_per_step", "target_ms", "draft_ms", "host_ms"),
            "budget": ("tokens_per_s", "tokens_per_step"),
@@ -71,27 +72,27 @@ def aims(samples: list[dict]) -> list[dict]:
         out.append({"aim": name, "ratio": value, "min": stat and stat["min"], "max": stat and stat["max"],
                     "goal": goal, "met": None if value is None else value >= goal})
 
-    ratio("default clover / vanilla tokens/s, batch 1", "batch", "default-clover", "vanilla", 1, 2.0)
-    ratio("clover (fixed budget) / vanilla tokens/s, batch 1", "batch", "clover", "vanilla", 1, 2.0)
+    ratio("default clover / vanilla tokens/s, batch 1", "batch", "default-clover", VANILLA_LINE, 1, 2.0)
+    ratio("clover (fixed budget) / vanilla tokens/s, batch 1", "batch", "clover", VANILLA_LINE, 1, 2.0)
     ratio("clover / transformers generate() greedy, batch 1", "hf", "clover", "hf-greedy", 1, 5.0)
     # docs/trees.md#model-free-candidates: the proposer alone, as `--method suffix` runs it
-    ratio("default suffix / vanilla tokens/s, batch 1", "batch", "default-suffix", "vanilla", 1, 1.15)
+    ratio("default suffix / vanilla tokens/s, batch 1", "batch", "default-suffix", VANILLA_LINE, 1, 1.15)
     # docs/quantized-target.md: against llama.cpp on the same GGUF, and the quantized engine against fp32
-    ratio("vanilla / fp32 engine's vanilla (--vanilla-engine fp32=DIR), batch 1", "llamacpp", "vanilla",
+    ratio("vanilla / fp32 engine's vanilla (--vanilla-engine fp32=DIR), batch 1", "llamacpp", VANILLA_LINE,
           "vanilla-fp32", 1, 2.0)
     ratio("default clover / llama.cpp greedy, batch 1", "llamacpp", "default-clover", "llamacpp-greedy", 1, 1.0)
     ratio("default clover / llama.cpp prompt lookup, batch 1", "llamacpp", "default-clover",
           "llamacpp-prompt-lookup", 1, 1.0)
     # docs/results/lean-graph: against ONNX Runtime's own LLM runtime and llama.cpp, and the pass itself
-    ratio("vanilla / onnxruntime-genai greedy, batch 1", "peers", "vanilla", "genai-greedy", 1, 1.0)
+    ratio("vanilla / onnxruntime-genai greedy, batch 1", "peers", VANILLA_LINE, "genai-greedy", 1, 1.0)
     ratio("default clover / onnxruntime-genai greedy, batch 1", "peers", "default-clover", "genai-greedy", 1, 1.3)
     ratio("default clover / llama.cpp greedy, batch 1 (peers sweep)", "peers", "default-clover", "llamacpp-greedy", 1,
           2.0)
     for tokens in (1, 8):  # within 1.1x of the builder graph's pass time: its speed at least 1/1.1 of it
         ratio(f"target pass speed / builder graph's, T = {tokens}", "passes", "clover", "genai-graph", tokens, 1 / 1.1)
-    for x in sorted({s["x"] for s in samples if s["sweep"] == "batch" and s["method"] == "vanilla"}):
-        ratio(f"default clover / vanilla tokens/s, batch {x}", "batch", "default-clover", "vanilla", x, 0.95)
-        ratio(f"adaptive clover / vanilla tokens/s, batch {x}", "batch", "adaptive-clover", "vanilla", x, 1.0)
+    for x in sorted({s["x"] for s in samples if s["sweep"] == "batch" and s["method"] == VANILLA_LINE}):
+        ratio(f"default clover / vanilla tokens/s, batch {x}", "batch", "default-clover", VANILLA_LINE, x, 0.95)
+        ratio(f"adaptive clover / vanilla tokens/s, batch {x}", "batch", "adaptive-clover", VANILLA_LINE, x, 1.0)
     return out
 
 

@@ -76,7 +76,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from clover.bench.report import METRICS, aims, markdown, plot, step_costs, summarize
+from clover.bench.report import METRICS, VANILLA_LINE, aims, markdown, plot, step_costs, summarize
 from clover.bench.samples import PROGRESS_FILE, SAMPLES_FILE, SampleStore, run_key, sample_key
 from clover.config import ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
@@ -99,6 +99,7 @@ PASS_TOKENS = (1, 2, 4, 8, 16)
 X_LABELS = {"batch": "batch size", "budget": "tree budget (draft nodes)", "heads": "heads used (tree depth)",
             "hf": "batch", "triton": "concurrent streams", "llamacpp": "batch", "peers": "batch",
             "passes": "new tokens in the pass (T)"}
+MEDUSA_ENGINE = "medusa"  # the loaded engine of --medusa-engine (``engines`` key, Config.engine)
 
 
 @dataclasses.dataclass
@@ -111,7 +112,7 @@ class Config:
     method: str  # decode method, or hf-greedy / hf-prompt-lookup
     batch: int
     tree: TreeConfig | None = None
-    engine: str = "clover"  # which loaded engine: clover or medusa
+    engine: str = "clover"  # which loaded engine: clover or MEDUSA_ENGINE
 
 
 # -- measuring ---------------------------------------------------------------
@@ -246,8 +247,8 @@ class TritonSweep:
                                         "adaptive": "false", "proposer": "none"}),
                   # the model a user gets with no parameters: adaptive where the engine stores a cost model
                   "default-clover": ("clover_default", {"engine_dir": clover_dir})}
-        if "medusa" in engines:
-            models["medusa"] = ("medusa", {"engine_dir": str(engines["medusa"].engine_dir), "method": "medusa",
+        if MEDUSA_ENGINE in engines:
+            models["medusa"] = ("medusa", {"engine_dir": str(engines[MEDUSA_ENGINE].engine_dir), "method": "medusa",
                                            "tree_budget": str(args.budget), "adaptive": "false",
                                            "proposer": "none"})
         if engines["clover"].cost_model is not None:  # the server's adaptive model needs a stored one
@@ -357,9 +358,9 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
     if "batch" in args.sweeps:
         rows = []
         for batch in args.batch_sizes:
-            rows.append(Config("batch", batch, "vanilla", "vanilla", batch))
+            rows.append(Config("batch", batch, VANILLA_LINE, "vanilla", batch))
             if has_medusa:
-                rows.append(Config("batch", batch, "medusa", "medusa", batch, _fixed(args.budget), "medusa"))
+                rows.append(Config("batch", batch, "medusa", "medusa", batch, _fixed(args.budget), MEDUSA_ENGINE))
             rows.append(Config("batch", batch, "clover", engine_method, batch, _fixed(args.budget)))
             for budget in args.fixed_budgets:
                 if budget != args.budget:
@@ -384,21 +385,22 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
             rows.append(Config("budget", budget, "clover", engine_method, args.sweep_batch, _fixed(budget)))
             rows.append(Config("budget", budget, "clover+suffix", engine_method, args.sweep_batch, _fixed(budget, "suffix")))
             if has_medusa:
-                rows.append(Config("budget", budget, "medusa", "medusa", args.sweep_batch, _fixed(budget), "medusa"))
+                rows.append(Config("budget", budget, "medusa", "medusa", args.sweep_batch, _fixed(budget),
+                                   MEDUSA_ENGINE))
         configs["budget"] = rows
     if "heads" in args.sweeps:
         configs["heads"] = [Config("heads", k, "clover", engine_method, args.sweep_batch,
                                    TreeConfig(budget=args.budget, depth=k, adaptive=False, proposer="none"))
                             for k in range(1, heads + 1)]
     if "hf" in args.sweeps:
-        configs["hf"] = [Config("hf", 1, "vanilla", "vanilla", 1),
+        configs["hf"] = [Config("hf", 1, VANILLA_LINE, "vanilla", 1),
                          Config("hf", 1, "clover", engine_method, 1, _fixed(args.budget)),
                          Config("hf", 1, "hf-greedy", "hf-greedy", 1),
                          Config("hf", 1, "hf-prompt-lookup", "hf-prompt-lookup", 1)]
     if "llamacpp" in args.sweeps:
         configs["llamacpp"] = llamacpp_configs(args, engine_method)
     if "peers" in args.sweeps:
-        configs["peers"] = [Config("peers", 1, "vanilla", "vanilla", 1),
+        configs["peers"] = [Config("peers", 1, VANILLA_LINE, "vanilla", 1),
                             Config("peers", 1, "default-clover", engine_method, 1, TreeConfig(budget=args.budget)),
                             *[Config("peers", 1, f"vanilla-{label}", "vanilla", 1, engine=f"vanilla-{label}")
                               for label, _ in args.vanilla_engine],
@@ -414,7 +416,7 @@ def build_configs(args, spec, has_medusa: bool, triton_models: tuple[str, ...] =
 def llamacpp_configs(args, engine_method: str) -> list[Config]:
     """The ``llamacpp`` sweep at batch 1: vanilla and the ``clover generate`` defaults on the engine, vanilla on
     each ``--vanilla-engine``, llama.cpp greedy and prompt lookup on the same GGUF."""
-    rows = [Config("llamacpp", 1, "vanilla", "vanilla", 1),
+    rows = [Config("llamacpp", 1, VANILLA_LINE, "vanilla", 1),
             Config("llamacpp", 1, "default-clover", engine_method, 1, TreeConfig(budget=args.budget))]
     rows += [Config("llamacpp", 1, f"vanilla-{label}", "vanilla", 1, engine=f"vanilla-{label}")
              for label, _ in args.vanilla_engine]
@@ -611,9 +613,9 @@ def run(args) -> dict:
     log = (lambda m: None) if args.silent else _log
     engines = {"clover": OnnxRuntimeEngine(args.engine, threads=args.threads)}
     if args.medusa_engine:
-        engines["medusa"] = OnnxRuntimeEngine(args.medusa_engine, threads=args.threads)
+        engines[MEDUSA_ENGINE] = OnnxRuntimeEngine(args.medusa_engine, threads=args.threads)
     for label, directory in args.extra_engine:
-        if label in engines or label in ("vanilla", "adaptive-clover"):
+        if label in engines or label in (VANILLA_LINE, "adaptive-clover"):
             raise ConfigError(f"--extra-engine {label}: the label is taken; choose another")
         engines[label] = OnnxRuntimeEngine(directory, threads=args.threads)
         if not engines[label].spec.num_draft_heads:
@@ -671,7 +673,7 @@ def run(args) -> dict:
 def _measure_all(args, engines, cost_model, prompts, texts, hf_model, triton, store, notes, log) -> dict:
     extra = {label: engines[label].spec.default_method
              for label, _ in args.extra_engine}
-    configs = build_configs(args, engines["clover"].spec, "medusa" in engines,
+    configs = build_configs(args, engines["clover"].spec, MEDUSA_ENGINE in engines,
                             tuple(triton.models) if triton is not None else (), extra, tuple(engines["peers"]),
                             tuple(engines["passes"]))
     pass_runs = {**{name: engine_pass(engines[name]) for name in ["clover", *[f"vanilla-{label}" for label, _ in

@@ -19,7 +19,7 @@ import sys
 
 from tqdm import tqdm
 
-from clover.config import ConfigError
+from clover.config import PROPOSERS, ConfigError
 from clover.export.builder import build_engine, default_draft_int8, default_target_weights, recalibrate_engine_dir
 
 
@@ -75,7 +75,7 @@ def parse_args(argv=None, prog: str = "clover build") -> argparse.Namespace:
                         "per block of 32 as llama.cpp does: faster, 2.2%% of MT-bench positions differ from fp32, and "
                         "not token-exact under speculation: docs/quantized-target.md). Default: fp32 for q4, int8 "
                         "for int8 and int4")
-    p.add_argument("--proposer", choices=["suffix", "none"], default=None,
+    p.add_argument("--proposer", choices=PROPOSERS, default=None,
                    help="model-free tree candidates the engine decodes with by default (engine.json tree_defaults; "
                         "clover generate --proposer and the serving parameter override it); default: suffix "
                         "(docs/trees.md#model-free-candidates)")

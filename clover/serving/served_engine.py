@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from clover.config import PROPOSERS, ConfigError, TreeConfig
-from clover.proposers import METHODS as DECODE_METHODS
+from clover.proposers import DEFAULT_METHOD, METHOD_CHOICES, method_traits, resolve_method
 from clover.demo import default_engine_dir
 
 TORCH_MAX_BATCH = 16  # the torch path has no built-in limit; this keeps a CPU server responsive
@@ -36,7 +36,7 @@ class LoadedEngine:
     description: str
 
 
-METHODS = ("auto", *DECODE_METHODS)  # auto: the engine's own drafter family (EngineSpec.default_method)
+METHODS = METHOD_CHOICES  # auto: the engine's own drafter family (EngineSpec.default_method)
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 
 
@@ -60,8 +60,7 @@ def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: s
         loaded = _load_torch(Path(engine_dir), method)
     else:
         loaded = _load_built(Path(engine_dir), backend, threads or None)
-    if method == "auto":
-        method = loaded.engine.spec.default_method
+    method = resolve_method(method, loaded.engine.spec.default_method)
     tree = loaded.tree
     if tree_budget is not None:
         tree = dataclasses.replace(tree, budget=tree_budget)
@@ -70,7 +69,7 @@ def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: s
     tree = dataclasses.replace(tree, adaptive=adaptive)
     if proposer != "auto":
         tree = dataclasses.replace(tree, proposer=proposer)
-    if method == "suffix" and not tree.suffix_candidates:
+    if method_traits(method).needs_suffix and not tree.suffix_candidates:
         raise ConfigError("method=suffix drafts with the suffix proposer: set proposer to auto or suffix")
     max_batch = max_batch or loaded.max_batch
     if max_batch < 1:
@@ -82,7 +81,7 @@ def _load_torch(checkpoint_dir: Path, method: str) -> LoadedEngine:
     from clover.backends import load_checkpoint_engine
     from clover.target import load_tokenizer
 
-    chosen = "clover" if method == "auto" else method
+    chosen = resolve_method(method, DEFAULT_METHOD)
     # on a GPU the device engine (docs/gpu-engine.md), on a CPU the torch reference
     engine = load_checkpoint_engine(str(checkpoint_dir), None, chosen, max_seq_len=2048)
     tree = getattr(engine, "tree_defaults", TreeConfig())  # the device engine's on a GPU: bigger trees
@@ -101,7 +100,7 @@ def _load_built(engine_dir: Path, backend: str, threads: int | None) -> LoadedEn
 
 
 def _check_adaptive(engine, method: str, engine_dir) -> None:
-    if method == "vanilla":
+    if not method_traits(method).drafts:
         raise ConfigError("adaptive=true needs draft heads; this model decodes vanilla")
     if getattr(engine, "cost_model", None) is None:
         raise ConfigError(f"adaptive=true needs a cost model in {engine_dir}; store one with "
