@@ -27,8 +27,6 @@ from scripts.gpu_check_attention import attention_variants, gpu_checks_module, k
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SHAPE_NAME = "gpu-check-tiny"
-TINY_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, rope_theta=10000.0, max_position_embeddings=512)
 LOSSLESS_NEW_TOKENS = 24
 
 
@@ -75,7 +73,7 @@ def shape_name(ctx: Context) -> str:
     """The cost_probe shape of this run; the tiny one is registered there so cost_probe's CLI accepts it."""
     from training.experiments import cost_probe
 
-    cost_probe.SHAPES.setdefault(TINY_SHAPE_NAME, TINY_SHAPE)
+    cost_probe.SHAPES.setdefault(TINY_SHAPE_NAME, cost_probe.SHAPES["tiny"])
     return TINY_SHAPE_NAME if ctx.dry_run else "llama3-8b"
 
 

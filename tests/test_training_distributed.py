@@ -6,6 +6,7 @@ and dtype (docs/status.md says what has run where).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -267,3 +268,30 @@ def test_cost_probe_reports_time_memory_and_parameters(setup, monkeypatch, capsy
     assert cost_probe.main(["--shape", "tiny", "--grad-checkpoint", *small]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["target"] == "tiny" and result["params"]["lm_head"] == 97 * 32
+
+
+def test_throughput_sweep_runs_every_setting_and_records_one_out_of_memory(tmp_path, monkeypatch):
+    """training/experiments/throughput_sweep.py's dry run (tiny random target, CPU): one row per setting with answer
+    tokens/s half the online rate; a setting that runs out of memory is a row saying so, and the sweep fails only
+    when no setting ran."""
+    from training.experiments import cost_probe, throughput_sweep
+
+    assert throughput_sweep.main(["--dry-run", "--output", str(tmp_path / "ok")]) == 0
+    rows = json.loads((tmp_path / "ok" / "sweep.json").read_text())["rows"]
+    assert [r["batch_tokens"] for r in rows] == [256, 512] and [r["tokens_per_step"] for r in rows] == [256, 512]
+    assert all(r["answer_tokens_per_s"] == round(r["online_tokens_per_s"] / 2, 1) > 0 for r in rows)
+    assert "Fastest: batch tokens" in (tmp_path / "ok" / "sweep.md").read_text()
+
+    real_probe = cost_probe.probe
+
+    def probe(args):
+        if args.batch_tokens > 256:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+        return real_probe(args)
+    monkeypatch.setattr(cost_probe, "probe", probe)
+    assert throughput_sweep.main(["--dry-run", "--output", str(tmp_path / "oom")]) == 0
+    rows = json.loads((tmp_path / "oom" / "sweep.json").read_text())["rows"]
+    assert "error" not in rows[0] and rows[1]["error"].startswith("out of memory")
+    monkeypatch.setattr(cost_probe, "probe", lambda args: probe(argparse.Namespace(**{**vars(args),
+                                                                                   "batch_tokens": 10**6})))
+    assert throughput_sweep.main(["--dry-run", "--output", str(tmp_path / "none")]) == 1

@@ -34,6 +34,8 @@ SHAPES = {  # config.json values of the published checkpoints
     "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
                        num_kv_heads=4, head_dim=128, rope_theta=1000000.0, max_position_embeddings=32768,
                        qkv_bias=True, architecture="qwen2"),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, rope_theta=10000.0, max_position_embeddings=512),  # dry runs on a CPU
 }
 
 
@@ -121,7 +123,7 @@ def probe(args) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo'")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight target of this shape instead")
@@ -140,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", help="also write the JSON here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     result = probe(args)
