@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from clover.config import ConfigError
-from clover.decode import GenerationRequest, SpeculativeDecoder, cut_at_stop
-from clover.serving.batcher import InflightBatcher, TextStream
+from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.serving.batcher import InflightBatcher
 from clover.serving.protocol import (INPUTS, PARAMETERS, RequestError, RequestLimits, model_parameters, parse_request,
                                      render_model_config)
 from clover.serving.repository import TEMPLATE_MODEL_PY, write_repository
+from clover.text import StopFinder, TextStream, answer_text, cut_at_stop, stop_prefix_held
 from tests.serving_support import PROMPTS, long_answer_prompt, reference, tiny_engine_dir  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
