@@ -26,7 +26,7 @@ from clover.adaptive import AdaptiveBudget, CostModel
 from clover.attention import causal_packed_mask
 from clover.stats import tokens_per_step
 from clover.text import StopFinder, answer_text
-from clover.config import ConfigError, SamplingConfig, TreeConfig
+from clover.config import ConfigError, SamplingConfig, TreeConfig, new_tokens_range
 from clover.device_step import given_arrays
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
@@ -49,20 +49,38 @@ class GenerationRequest:
     seed: int = 0
     request_id: Any = None
 
-    def validate(self, max_seq_len: int, has_tokenizer: bool) -> None:
-        """ConfigError for a request a decoder with a ``max_seq_len`` context cannot run.
+    def validate(self, max_seq_len: int, has_tokenizer: bool, vocab_size: int | None = None,
+                 cap_new_tokens: bool = False) -> None:
+        """ConfigError for a request a decoder with a ``max_seq_len`` context (and ``vocab_size`` tokens, where
+        given) cannot run. ``cap_new_tokens``: also refuse ``max_new_tokens`` beyond the context (a server's
+        bound, clover.config.new_tokens_range; the library just stops there). Sampling values are checked
+        where they are made (:class:`~clover.config.SamplingConfig`).
 
-        The one request check: :meth:`SpeculativeDecoder.submit`, the in-flight batcher (before it
-        queues a request) and the server's request parser all call it.
+        The one check of a request's values, run once per request: by :meth:`SpeculativeDecoder.submit` for
+        a direct caller, by :meth:`~clover.serving.batcher.InflightBatcher.submit` for the batcher's callers,
+        by :func:`~clover.serving.protocol.parse_request` for the server's (each passes ``validated=True`` on).
         """
         refuse_empty_prompt(self.prompt_ids)
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        low, high = new_tokens_range(max_seq_len)
+        if self.max_new_tokens < low:
+            raise ConfigError(f"max_new_tokens must be >= {low}, got {self.max_new_tokens}")
+        if cap_new_tokens and self.max_new_tokens > high:
+            raise ConfigError(f"max_new_tokens {self.max_new_tokens} is larger than the engine's context of "
+                              f"{high} tokens")
         if len(self.prompt_ids) + 1 > max_seq_len:  # the first new token needs a cache slot as well
             raise ConfigError(f"the prompt is {len(self.prompt_ids)} tokens and does not fit the context of "
                               f"{max_seq_len} tokens; it must be shorter")
+        if vocab_size is not None:
+            _refuse_outside_vocab("prompt token id", self.prompt_ids, vocab_size)
+            _refuse_outside_vocab("stop token id (end_id)", self.stop_token_ids or (), vocab_size)
         if self.stop_strings and not has_tokenizer:
             raise ConfigError("stop strings need a tokenizer")
+
+
+def _refuse_outside_vocab(what: str, token_ids, vocab_size: int) -> None:
+    outside = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise ConfigError(f"{what} {outside} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclasses.dataclass
@@ -314,12 +332,15 @@ class SpeculativeDecoder:
 
     # -- public API -------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> int:
+    def submit(self, request: GenerationRequest, validated: bool = False) -> int:
         """Queue a request; it is prefilled at the next :meth:`step`. Returns its sequence id.
 
-        Raises ConfigError for a request :meth:`GenerationRequest.validate` refuses.
+        Raises ConfigError for a request :meth:`GenerationRequest.validate` refuses. ``validated``: the
+        caller already ran that check against this decoder's limits (the in-flight batcher, the server's
+        request parser), so it is not run twice.
         """
-        request.validate(self.engine.spec.max_seq_len, self.tokenizer is not None)
+        if not validated:  # a direct library caller: this is the request's one check
+            self.validate(request)
         stop_ids = request.stop_token_ids
         if stop_ids is None:
             eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -328,6 +349,10 @@ class SpeculativeDecoder:
         seq = _Sequence(next(self._ids), request, tuple(stop_ids), decode_text, self.proposer.emitted)
         self._pending.append(seq)
         return seq.seq_id
+
+    def validate(self, request: GenerationRequest) -> None:
+        """:meth:`GenerationRequest.validate` against this decoder's engine and tokenizer."""
+        request.validate(self.engine.spec.max_seq_len, self.tokenizer is not None, self.engine.spec.vocab_size)
 
     def cancel(self, seq_id: int) -> None:
         """Stop a sequence; it leaves the batch at the next step."""

@@ -159,6 +159,9 @@ class InflightBatcher:
         self.decoder = make_decoder()
         self.tokenizer = self.decoder.tokenizer
         self.max_seq_len = self.decoder.engine.spec.max_seq_len
+        # the decoder's request check, run on the caller's thread: it reads only the engine's spec and the
+        # tokenizer, which every decoder make_decoder builds shares
+        self._validate = self.decoder.validate
         self.on_step = on_step
         self.cancel_poll_s = cancel_poll_s
         self._ids = itertools.count()
@@ -176,16 +179,18 @@ class InflightBatcher:
     # -- any thread -------------------------------------------------------
 
     def submit(self, request: GenerationRequest, on_update: Callable[[Update], None],
-               is_cancelled: Callable[[], bool] | None = None) -> RequestHandle:
+               is_cancelled: Callable[[], bool] | None = None, validated: bool = False) -> RequestHandle:
         """Queue a request; it joins the batch at the next step.
 
         ``on_update`` runs on the decode thread after each step that produced something for
         this request, and once with ``finished=True``. If it raises, the request is cancelled.
         ``is_cancelled`` (polled by the decode thread) lets the caller's transport cancel it.
         Raises ConfigError (a ValueError) for a request the decoder would refuse, :class:`ShuttingDown`
-        while draining or after shutdown.
+        while draining or after shutdown. ``validated``: the caller already ran
+        :meth:`GenerationRequest.validate` against this engine (the server's request parser does).
         """
-        request.validate(self.max_seq_len, self.tokenizer is not None)  # the decoder's check, before queueing
+        if not validated:  # this request's one check, before it is queued; the decoder does not repeat it
+            self._validate(request)
         entry = _Entry(next(self._ids), request, on_update, is_cancelled, self.tokenizer)
         with self._cond:
             if self._stopping or self._drain_deadline is not None or not self._thread.is_alive():
@@ -276,7 +281,7 @@ class InflightBatcher:
             self._finish(entry, [], "cancelled")
             return
         try:
-            entry.seq_id = self.decoder.submit(entry.request)
+            entry.seq_id = self.decoder.submit(entry.request, validated=True)  # submit() checked it
         except ValueError as exc:
             self._finish(entry, [], None, str(exc))
             return
