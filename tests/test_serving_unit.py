@@ -709,6 +709,30 @@ def test_triton_model_logic_streams_batches_and_rejects(tiny_engine_dir, referen
     assert reasons["rejected"] == 1 and sum(reasons.values()) == 3
 
 
+def test_triton_model_takes_input_ids_and_checks_each_request_once(tiny_engine_dir, reference, monkeypatch):
+    from clover.serving.triton_model import CloverTritonModel
+
+    expected = reference(PROMPTS[4], 12)  # before counting: the reference decodes too
+    calls = []
+    real = GenerationRequest.validate
+    monkeypatch.setattr(GenerationRequest, "validate", lambda self, *a, **k: (calls.append(a), real(self, *a, **k)))
+    model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1"))
+    try:
+        ids = encode_prompt(model.loaded.tokenizer, PROMPTS[4], True)  # what the CLI (and text_input) would send
+        by_ids = FakeRequest(input_ids=np.array(ids, np.int32), max_tokens=np.array([12], np.int32))
+        both = FakeRequest(input_ids=np.array(ids, np.int32), text_input=_text("hi"),
+                           max_tokens=np.array([3], np.int32))
+        model.execute([by_ids, both])
+        for request in (by_ids, both):
+            assert request.sender.closed.wait(30)
+    finally:
+        model.finalize()
+    assert by_ids.sender.responses[0].error is None
+    assert by_ids.sender.responses[0].outputs["text_output"][0].decode() == expected.text
+    assert "not both" in both.sender.responses[0].error.message
+    assert len(calls) == 1  # parse_request checked the good request; the batcher and the decoder did not again
+
+
 def long_stream_request(end_id: int) -> "FakeRequest":
     """A streamed 250-token request for prompt "a" that only ``end_id`` (a token it never emits) could stop."""
     return FakeRequest(text_input=_text("a"), max_tokens=np.array([250], np.int32), stream=np.array([True]),
