@@ -142,7 +142,8 @@ class GrpcClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def stream(self, prompt: str | bytes, max_tokens: int = 128, stream: bool = True, **options) -> Iterator[Chunk]:
+    def stream(self, prompt: str | bytes | Sequence[int], max_tokens: int = 128, stream: bool = True,
+               **options) -> Iterator[Chunk]:
         """Send one request; yield its responses. Leaving the loop early cancels the request on the server."""
         return self.stream_raw(request_fields(prompt, max_tokens, stream, **options))
 
@@ -194,7 +195,7 @@ class GrpcClient:
             tensors.append(tensor)
         return tensors
 
-    def generate(self, prompt: str | bytes, max_tokens: int = 128, **options) -> Result:
+    def generate(self, prompt: str | bytes | Sequence[int], max_tokens: int = 128, **options) -> Result:
         """One non-streaming request (one response with the whole answer)."""
         start = time.perf_counter()
         return collect(self.stream(prompt, max_tokens, stream=False, **options), start)
