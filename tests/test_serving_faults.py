@@ -522,7 +522,7 @@ def test_integer_inputs_are_refused_not_wrapped_where_the_model_sees_them(server
         with GrpcClient(server.grpc_url) as client:
             collect(client.stream_raw({"text_input": (np.array([b"hi"], dtype=object), "BYTES"),
                                        "max_tokens": (np.array([2**32 + 8], np.int64), "INT64")}))
-    for body, message in [({"text_input": "hi", "max_tokens": 4, "end_id": -1}, "end_id -1 is outside"),
+    for body, message in [({"text_input": "hi", "max_tokens": 4, "end_id": -1}, "(end_id) -1 is outside"),
                           ({"text_input": "hi", "max_tokens": 0}, "max_new_tokens must be >= 1"),
                           ({"text_input": "hi", "max_tokens": 4, "stop_words": ["w"] * 65}, "at most 64")]:
         status, text = _http(server, "POST", "/v2/models/clover/generate", body)
