@@ -164,25 +164,17 @@ def _load_generate_engine(args):
 
 def _stream_to_terminal(decoder, requests, tokenizer, stop: list[str]):
     """Decode one prompt, printing the answer as it grows (cut at a stop string); returns the results."""
-    from clover.decode import cut_at_stop
+    from clover.text import TextStream
 
-    shown, tokens = [0], []
-
-    def show(final: bool = False) -> None:
-        text = cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), stop)
-        # a character cut between tokens decodes as U+FFFD until its last byte comes: hold it back
-        end = len(text) if final else len(text.rstrip("\ufffd"))
-        sys.stdout.write(text[shown[0]:end])
-        sys.stdout.flush()
-        shown[0] = max(shown[0], end)
+    # holds back a partial character (U+FFFD until its last byte comes) and a possible start of a stop string
+    text = TextStream(tokenizer, stop)
 
     def on_event(event):
-        tokens.extend(event.new_token_ids)
-        show()
+        sys.stdout.write(text.push(event.new_token_ids, finished=False))
+        sys.stdout.flush()
 
     results = decoder.generate(requests, on_event=on_event)
-    show(final=True)
-    sys.stdout.write("\n")
+    sys.stdout.write(text.push([], finished=True) + "\n")
     return results
 
 
@@ -204,8 +196,8 @@ def _write_results(results, path: Path | None) -> None:
 def cmd_generate(args) -> int:
     import torch
 
-    from clover.decode import GenerationRequest, SpeculativeDecoder, refuse_empty_prompt
-    from clover.prompts import encode_prompt, read_prompts_file
+    from clover.decode import GenerationRequest, SpeculativeDecoder
+    from clover.prompts import encode_prompt, read_prompts_file, refuse_empty_prompt
 
     if args.threads:
         torch.set_num_threads(args.threads)

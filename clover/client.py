@@ -86,19 +86,22 @@ def collect(chunks: Iterator[Chunk], start: float | None = None) -> Result:
     return Result("".join(text), ids, reason, perf, time.perf_counter() - start, first, count, last)
 
 
-def request_fields(prompt: str | bytes, max_tokens: int, stream: bool, *, temperature: float | None = None,
-                   top_k: int | None = None, top_p: float | None = None, end_id: int | None = None,
-                   stop_words: Sequence[str] | None = None, seed: int | None = None, perf: bool = True,
-                   chat_template: bool | None = None) -> dict:
-    """The request's inputs by name (None values left out)."""
-    fields = {"text_input": prompt, "max_tokens": max_tokens, "stream": stream, "temperature": temperature,
+def request_fields(prompt: str | bytes | Sequence[int], max_tokens: int, stream: bool, *,
+                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                   end_id: int | None = None, stop_words: Sequence[str] | None = None, seed: int | None = None,
+                   perf: bool = True, chat_template: bool | None = None) -> dict:
+    """The request's inputs by name (None values left out). ``prompt``: text (``text_input``) or token ids
+    (``input_ids``, sent as they are: no chat template)."""
+    as_ids = not isinstance(prompt, (str, bytes))
+    prompt_field = {"input_ids": [int(i) for i in prompt]} if as_ids else {"text_input": prompt}
+    fields = {**prompt_field, "max_tokens": max_tokens, "stream": stream, "temperature": temperature,
               "top_k": top_k, "top_p": top_p, "end_id": end_id, "stop_words": list(stop_words) if stop_words else None,
               "random_seed": seed, "return_perf_metrics": perf, "apply_chat_template": chat_template}
     return {k: v for k, v in fields.items() if v is not None}
 
 
-_TYPES = {"text_input": ("BYTES", None), "stop_words": ("BYTES", None), "max_tokens": ("INT32", np.int32),
-          "top_k": ("INT32", np.int32), "end_id": ("INT32", np.int32), "temperature": ("FP32", np.float32),
+_TYPES = {"text_input": ("BYTES", None), "input_ids": ("INT32", np.int32), "stop_words": ("BYTES", None),
+          "max_tokens": ("INT32", np.int32), "top_k": ("INT32", np.int32), "end_id": ("INT32", np.int32), "temperature": ("FP32", np.float32),
           "top_p": ("FP32", np.float32), "random_seed": ("UINT64", np.uint64), "stream": ("BOOL", np.bool_),
           "return_perf_metrics": ("BOOL", np.bool_), "apply_chat_template": ("BOOL", np.bool_)}
 
@@ -111,6 +114,8 @@ def input_array(name: str, value) -> tuple[np.ndarray, str]:
     if datatype == "BYTES":
         values = value if isinstance(value, list) else [value]
         return np.array([v.encode("utf-8") if isinstance(v, str) else v for v in values], dtype=object), datatype
+    if isinstance(value, list):  # input_ids: one dimension of any length
+        return np.asarray(value, dtype=dtype).reshape(-1), datatype
     return np.array([value], dtype=dtype), datatype
 
 
@@ -137,7 +142,8 @@ class GrpcClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def stream(self, prompt: str | bytes, max_tokens: int = 128, stream: bool = True, **options) -> Iterator[Chunk]:
+    def stream(self, prompt: str | bytes | Sequence[int], max_tokens: int = 128, stream: bool = True,
+               **options) -> Iterator[Chunk]:
         """Send one request; yield its responses. Leaving the loop early cancels the request on the server."""
         return self.stream_raw(request_fields(prompt, max_tokens, stream, **options))
 
@@ -189,7 +195,7 @@ class GrpcClient:
             tensors.append(tensor)
         return tensors
 
-    def generate(self, prompt: str | bytes, max_tokens: int = 128, **options) -> Result:
+    def generate(self, prompt: str | bytes | Sequence[int], max_tokens: int = 128, **options) -> Result:
         """One non-streaming request (one response with the whole answer)."""
         start = time.perf_counter()
         return collect(self.stream(prompt, max_tokens, stream=False, **options), start)

@@ -354,10 +354,17 @@ SAMPLING_RANGES = {"temperature": (0, 2), "top_k": (0, INT32_MAX), "seed": (0, U
 
 def sampling_range_error(name: str, value: float) -> str | None:
     """What is wrong with sampling parameter ``name`` = ``value`` (NaN included), or None when it is in range."""
+    finite = "" if value == value else ", a finite number"  # NaN is the one value not equal to itself
     if name == "top_p":
-        return None if 0 < value <= 1 else "top_p must be in (0, 1]"
+        return None if 0 < value <= 1 else f"top_p must be in (0, 1]{finite}"
     low, high = SAMPLING_RANGES[name]
-    return None if low <= value <= high else f"{name} must be between {low} and {high}"
+    return None if low <= value <= high else f"{name} must be between {low} and {high}{finite}"
+
+
+def new_tokens_range(context: int) -> tuple[int, int]:
+    """The new tokens a server request may ask for (the Triton model's max_tokens, the OpenAI endpoint's): at
+    least 1, at most the engine's ``context`` (no answer is longer). The library takes any count >= 1."""
+    return 1, context
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -25,46 +25,17 @@ import numpy as np
 from clover.adaptive import AdaptiveBudget, CostModel
 from clover.attention import causal_packed_mask
 from clover.stats import tokens_per_step
-from clover.config import ConfigError, SamplingConfig, TreeConfig
+from clover.text import StopFinder, answer_text
+from clover.config import ConfigError, SamplingConfig, TreeConfig, new_tokens_range
 from clover.device_step import given_arrays, sampling_arrays
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
 from clover.host_ops import as_numpy, cpu_tensor, take_rows
+from clover.prompts import refuse_empty_prompt
 from clover.proposers import (Proposer, check_method, make_proposer, method_traits, suffix_candidates_on,
                               uses_heads)
 from clover.tree import TreeBatch
 from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
-
-
-def refuse_empty_prompt(prompt: str | Sequence[int]) -> None:
-    """ConfigError for a prompt without text or without tokens: there is nothing to continue.
-
-    The CLI and the server check the text too, because a chat template wraps even empty text in tokens.
-    """
-    if len(prompt) == 0:
-        raise ConfigError("the prompt is empty")
-
-
-def cut_at_stop(text: str, stop_strings: Iterable[str], start: int = 0) -> str:
-    """``text`` up to (not including) the earliest stop string in it; empty stop strings never match.
-
-    ``start``: search only from there (see :func:`stop_search_start`), so the cost per decode step does not
-    grow with the text already searched (docs/serving.md#shutdown-faults-and-security).
-    """
-    starts = [found for found in (text.find(stop, start) for stop in stop_strings if stop) if found >= 0]
-    return text[: min(starts)] if starts else text
-
-
-# characters at the end of the text searched before that a tokenizer may still revise (a partial UTF-8
-# character decoded as U+FFFD, a merged space) and are searched again
-_STOP_REVISION_CHARS = 8
-
-
-def stop_search_start(searched_chars: int, stop_strings: Iterable[str]) -> int:
-    """Where to search for stop strings in text that grew from ``searched_chars`` characters, already searched:
-    a stop string ending in the new text starts at most its length (less one) before it."""
-    longest = max((len(stop) for stop in stop_strings), default=0)
-    return max(0, searched_chars - longest - _STOP_REVISION_CHARS)
 
 
 @dataclasses.dataclass
@@ -79,20 +50,38 @@ class GenerationRequest:
     seed: int = 0
     request_id: Any = None
 
-    def validate(self, max_seq_len: int, has_tokenizer: bool) -> None:
-        """ConfigError for a request a decoder with a ``max_seq_len`` context cannot run.
+    def validate(self, max_seq_len: int, has_tokenizer: bool, vocab_size: int | None = None,
+                 cap_new_tokens: bool = False) -> None:
+        """ConfigError for a request a decoder with a ``max_seq_len`` context (and ``vocab_size`` tokens, where
+        given) cannot run. ``cap_new_tokens``: also refuse ``max_new_tokens`` beyond the context (a server's
+        bound, clover.config.new_tokens_range; the library just stops there). Sampling values are checked
+        where they are made (:class:`~clover.config.SamplingConfig`).
 
-        The one request check: :meth:`SpeculativeDecoder.submit`, the in-flight batcher (before it
-        queues a request) and the server's request parser all call it.
+        The one check of a request's values, run once per request: by :meth:`SpeculativeDecoder.submit` for
+        a direct caller, by :meth:`~clover.serving.batcher.InflightBatcher.submit` for the batcher's callers,
+        by :func:`~clover.serving.protocol.parse_request` for the server's (each passes ``validated=True`` on).
         """
         refuse_empty_prompt(self.prompt_ids)
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        low, high = new_tokens_range(max_seq_len)
+        if self.max_new_tokens < low:
+            raise ConfigError(f"max_new_tokens must be >= {low}, got {self.max_new_tokens}")
+        if cap_new_tokens and self.max_new_tokens > high:
+            raise ConfigError(f"max_new_tokens {self.max_new_tokens} is larger than the engine's context of "
+                              f"{high} tokens")
         if len(self.prompt_ids) + 1 > max_seq_len:  # the first new token needs a cache slot as well
             raise ConfigError(f"the prompt is {len(self.prompt_ids)} tokens and does not fit the context of "
                               f"{max_seq_len} tokens; it must be shorter")
+        if vocab_size is not None:
+            _refuse_outside_vocab("prompt token id", self.prompt_ids, vocab_size)
+            _refuse_outside_vocab("stop token id (end_id)", self.stop_token_ids or (), vocab_size)
         if self.stop_strings and not has_tokenizer:
             raise ConfigError("stop strings need a tokenizer")
+
+
+def _refuse_outside_vocab(what: str, token_ids, vocab_size: int) -> None:
+    outside = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise ConfigError(f"{what} {outside} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclasses.dataclass
@@ -171,7 +160,7 @@ class _Sequence:
         self.stop_ids = set(stop_ids)
         self.decode_text = decode_text
         self.generated: list[int] = []
-        self._searched_chars = 0  # text of ``generated`` already searched for stop strings
+        self.stop_finder = StopFinder(decode_text, request.stop_strings) if request.stop_strings else None
         self.stats = SequenceStats()
         self.finish_reason: str | None = None
         self.generator = torch.Generator().manual_seed(request.seed)
@@ -196,9 +185,9 @@ class _Sequence:
             if len(self.generated) >= self.request.max_new_tokens:
                 self.finish_reason = "length"
                 break
-        if self.request.stop_strings and self.finish_reason != "stop":
+        if self.stop_finder is not None and self.finish_reason != "stop":
             before = len(self.generated) - len(kept)
-            cut = self._stop_string_cut(before)
+            cut = self.stop_finder.cut(self.generated, before)
             if cut is not None:  # cut >= before: earlier text had no stop string
                 del self.generated[cut:]
                 kept = kept[: cut - before]
@@ -207,26 +196,10 @@ class _Sequence:
             self.on_emit(self, kept)
         return kept
 
-    def _stop_string_cut(self, checked: int) -> int | None:
-        """Smallest token count whose text contains a stop string (searching new tokens only)."""
-        start = stop_search_start(self._searched_chars, self.request.stop_strings)
-        text = self.decode_text(self.generated)
-        if cut_at_stop(text, self.request.stop_strings, start) == text:
-            self._searched_chars = len(text)
-            return None
-        for n in range(max(1, checked), len(self.generated) + 1):
-            if self._has_stop_string(self.generated[:n], start):
-                return n
-        return len(self.generated)
-
-    def _has_stop_string(self, token_ids: list[int], start: int) -> bool:
-        text = self.decode_text(token_ids)
-        return cut_at_stop(text, self.request.stop_strings, start) != text
-
     def result(self) -> SequenceResult:
         text = None
         if self.decode_text is not None:
-            text = cut_at_stop(self.decode_text(self.generated, skip_special_tokens=True), self.request.stop_strings)
+            text = answer_text(self.decode_text, self.generated, self.request.stop_strings)
         return SequenceResult(self.request.request_id, self.request.prompt_ids, list(self.generated),
                               self.finish_reason or "length", self.stats, text)
 
@@ -360,12 +333,15 @@ class SpeculativeDecoder:
 
     # -- public API -------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> int:
+    def submit(self, request: GenerationRequest, validated: bool = False) -> int:
         """Queue a request; it is prefilled at the next :meth:`step`. Returns its sequence id.
 
-        Raises ConfigError for a request :meth:`GenerationRequest.validate` refuses.
+        Raises ConfigError for a request :meth:`GenerationRequest.validate` refuses. ``validated``: the
+        caller already ran that check against this decoder's limits (the in-flight batcher, the server's
+        request parser), so it is not run twice.
         """
-        request.validate(self.engine.spec.max_seq_len, self.tokenizer is not None)
+        if not validated:  # a direct library caller: this is the request's one check
+            self.validate(request)
         stop_ids = request.stop_token_ids
         if stop_ids is None:
             eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -374,6 +350,10 @@ class SpeculativeDecoder:
         seq = _Sequence(next(self._ids), request, tuple(stop_ids), decode_text, self.proposer.emitted)
         self._pending.append(seq)
         return seq.seq_id
+
+    def validate(self, request: GenerationRequest) -> None:
+        """:meth:`GenerationRequest.validate` against this decoder's engine and tokenizer."""
+        request.validate(self.engine.spec.max_seq_len, self.tokenizer is not None, self.engine.spec.vocab_size)
 
     def cancel(self, seq_id: int) -> None:
         """Stop a sequence; it leaves the batch at the next step."""

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from clover.config import ConfigError
+
+
+def refuse_empty_prompt(prompt: str | Sequence[int]) -> None:
+    """ConfigError for a prompt without text or without tokens: there is nothing to continue.
+
+    The CLI, the server and the OpenAI frontend check the text too, because a chat template wraps even empty
+    text in tokens.
+    """
+    if len(prompt) == 0:
+        raise ConfigError("the prompt is empty")
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:

@@ -52,13 +52,13 @@ def _chat(tokenizer, **body):
     return chat_request(parse_body(ChatCompletionRequest, json.dumps(body).encode()), tokenizer, CONTEXT)
 
 
-def test_one_user_message_is_sent_for_the_model_to_template(tokenizer):
+def test_one_user_message_is_sent_as_the_ids_of_its_chat_template(tokenizer):
     request = _chat(tokenizer, max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, stop="\n", seed=11, stream=True,
                     stream_options={"include_usage": True})
-    assert request.fields == {"text_input": "hello", "max_tokens": 7, "stream": True, "temperature": 0.5, "top_k": 3,
-                              "top_p": 0.9, "stop_words": ["\n"], "random_seed": 11, "return_perf_metrics": True,
-                              "apply_chat_template": True}
-    assert request.prompt_tokens == len(encode_prompt(tokenizer, "hello", True))
+    ids = encode_prompt(tokenizer, "hello", True)  # what clover generate and the model (text_input) encode
+    assert request.fields == {"input_ids": ids, "max_tokens": 7, "stream": True, "temperature": 0.5, "top_k": 3,
+                              "top_p": 0.9, "stop_words": ["\n"], "random_seed": 11, "return_perf_metrics": True}
+    assert request.prompt_tokens == len(ids)
     assert request.stream and request.include_usage
     defaults = _chat(tokenizer)  # no max_tokens: what the context leaves
     assert defaults.fields["max_tokens"] == CONTEXT - defaults.prompt_tokens and not defaults.fields["stream"]
@@ -73,9 +73,66 @@ def test_a_conversation_is_rendered_with_the_chat_template(tokenizer):
     request = _chat(tokenizer, messages=messages, stop=["a", "b"])
     plain = [{**m, "content": "yes?"} if m["role"] == "assistant" else m for m in messages]
     expected_ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, return_dict=False)
-    assert request.fields["apply_chat_template"] is False and request.fields["stop_words"] == ["a", "b"]
-    assert encode_prompt(tokenizer, request.fields["text_input"], False) == list(expected_ids)
+    assert "apply_chat_template" not in request.fields and request.fields["stop_words"] == ["a", "b"]
+    assert request.fields["input_ids"] == list(expected_ids) and "text_input" not in request.fields
     assert request.prompt_tokens == len(expected_ids)
+
+
+class CountingTokenizer:
+    """The tokenizer, counting the calls that tokenize (``encode``, ``__call__``, a tokenizing chat template)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def encode(self, text, *args, **kwargs):
+        self.calls.append(("encode", text))
+        return self.inner.encode(text, *args, **kwargs)
+
+    def __call__(self, text, *args, **kwargs):
+        self.calls.append(("__call__", text))
+        return self.inner(text, *args, **kwargs)
+
+    def apply_chat_template(self, messages, *args, **kwargs):
+        if kwargs.get("tokenize", True):
+            self.calls.append(("apply_chat_template", messages))
+        return self.inner.apply_chat_template(messages, *args, **kwargs)
+
+
+def _as_triton_parses_it(fields: dict, tokenizer):
+    """``fields`` through the gateway's tensor mapping (clover.client.input_array) into the model's parser."""
+    from clover.client import input_array
+    from clover.serving.protocol import RequestLimits, parse_request
+
+    tensors = {name: input_array(name, value)[0] for name, value in fields.items()}
+    return parse_request(tensors.get, tokenizer, RequestLimits(CONTEXT, len(tokenizer))).generation
+
+
+@pytest.mark.parametrize("kind", ["one user message", "conversation", "completion"])
+def test_a_prompt_is_tokenized_once_and_triton_gets_the_cli_s_ids(tokenizer, kind):
+    counting = CountingTokenizer(tokenizer)
+    if kind == "completion":
+        body = parse_body(CompletionRequest, json.dumps({"model": "clover", "prompt": "hello there"}).encode())
+        request, text, chat = completion_request(body, counting, CONTEXT), "hello there", False
+    else:
+        messages = [{"role": "user", "content": "hello there"}]
+        if kind == "conversation":
+            messages = [{"role": "system", "content": "be brief"}, *messages]
+        body = parse_body(ChatCompletionRequest, json.dumps({"model": "clover", "messages": messages}).encode())
+        request = chat_request(body, counting, CONTEXT)
+        text, chat = ("hello there", True) if kind == "one user message" else (render_chat(tokenizer, messages), False)
+    prompt_calls = [c for c in counting.calls if c[1] != ""]  # render_chat's encode("") asks whether BOS is added
+    assert len(prompt_calls) == 1, counting.calls
+    assert "text_input" not in request.fields
+    generation = _as_triton_parses_it(request.fields, counting)
+    assert len([c for c in counting.calls if c[1] != ""]) == 1  # the model did not tokenize it again
+    assert generation.prompt_ids == encode_prompt(tokenizer, text, chat) == request.fields["input_ids"]
+    assert request.prompt_tokens == len(generation.prompt_ids)
 
 
 def test_render_chat_leaves_bos_to_a_tokenizer_that_adds_it():
@@ -94,8 +151,10 @@ def test_render_chat_leaves_bos_to_a_tokenizer_that_adds_it():
 def test_completions_take_one_prompt(tokenizer):
     body = {"model": "clover", "prompt": ["hello"], "max_tokens": 4}
     request = completion_request(parse_body(CompletionRequest, json.dumps(body).encode()), tokenizer, CONTEXT)
-    assert request.fields["text_input"] == "hello" and request.fields["apply_chat_template"] is False
+    assert request.fields["input_ids"] == tokenizer.encode("hello") and "apply_chat_template" not in request.fields
     assert request.prompt_tokens == len(tokenizer.encode("hello"))
+    with pytest.raises(OpenAIError, match="prompt: the prompt is empty"):
+        completion_request(parse_body(CompletionRequest, b'{"model": "clover", "prompt": ""}'), tokenizer, CONTEXT)
     with pytest.raises(OpenAIError, match="one prompt per request"):
         completion_request(parse_body(CompletionRequest, b'{"model": "clover", "prompt": ["a", "b"]}'),
                            tokenizer, CONTEXT)

@@ -132,8 +132,9 @@ def test_grpc_streaming_and_single_response(server, reference):
     with GrpcClient(server.grpc_url) as client:
         streamed = collect(client.stream(PROMPTS[8], 40))
         whole = client.generate(PROMPTS[8], 40)
+        by_ids = client.generate(reference.prompt_ids(PROMPTS[8]), 40)  # input_ids: the prompt as token ids
     assert streamed.chunks > 5 and whole.chunks == 1
-    for result in (streamed, whole):
+    for result in (streamed, whole, by_ids):
         assert result.text == expected.text and result.token_ids == expected.token_ids
         assert result.finish_reason == expected.finish_reason
 
@@ -200,7 +201,7 @@ def test_each_bad_input_gets_its_own_error_and_the_server_keeps_serving(server, 
         ({"text_input": "hi", "max_tokens": 5, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"text_input": "hi", "max_tokens": 5, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"text_input": "hi"}, "missing required input.*max_tokens"),
-        ({"max_tokens": 5}, "missing required input.*text_input"),
+        ({"max_tokens": 5}, "give exactly one of text_input .* and input_ids .*got neither"),
         ({"text_input": "hi", "max_tokens": "five"}, "Unable to parse"),  # wrong type: Triton refuses it
         ({"text_input": "hi", "max_tokens": [5, 6]}, "proper shape"),  # wrong shape
     ]
@@ -215,7 +216,11 @@ def test_each_bad_input_gets_its_own_error_and_the_server_keeps_serving(server, 
           "max_tokens": (np.array([5], np.int32), "INT32")}, "not valid UTF-8"),
         (dict([text, ("max_tokens", (np.array([5.0], np.float32), "FP32"))]), "expects 'INT32'"),
         (dict([text, ("max_tokens", (np.array([5, 6], np.int32), "INT32"))]), "unexpected shape"),
-        ({"max_tokens": (np.array([5], np.int32), "INT32")}, "missing required input"),
+        ({"max_tokens": (np.array([5], np.int32), "INT32")}, "give exactly one of text_input"),
+        (dict([text, ("input_ids", (np.array([1, 2], np.int32), "INT32")),
+               ("max_tokens", (np.array([5], np.int32), "INT32"))]), "not both"),
+        ({"input_ids": (np.array([1, 10**6], np.int32), "INT32"), "max_tokens": (np.array([5], np.int32), "INT32")},
+         r"prompt token id 1000000 is outside the vocabulary"),
         (dict([text, ("max_tokens", (np.array([5], np.int32), "INT32")),
                ("stream", (np.array([1], np.int32), "INT32"))]), "expects 'BOOL'"),
     ]
@@ -229,7 +234,7 @@ def test_each_bad_input_gets_its_own_error_and_the_server_keeps_serving(server, 
     assert result.token_ids == expected_long.token_ids and result.text == expected_long.text
     after = HttpClient(server.http_url).generate(PROMPTS[1], 10)
     assert after.token_ids == reference(PROMPTS[1], 10).token_ids
-    assert metric(scrape(server), "clover_requests_total", reason="rejected") >= 9
+    assert metric(scrape(server), "clover_requests_total", reason="rejected") >= 11
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clover.decode import GenerationRequest, SpeculativeDecoder, cut_at_stop
-from clover.serving.batcher import InflightBatcher, ShuttingDown, TextStream, stop_prefix_held
+from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.serving.batcher import InflightBatcher, ShuttingDown
+from clover.text import TextStream, cut_at_stop, stop_prefix_held
 from clover.serving.protocol import RequestError, RequestLimits, parse_request
 from clover.serving.launch import HEALTH_POLL_S
 from clover.serving.server import SHM_PREFIX, ServerError, TritonInstall, TritonServer, free_port, shm_regions
@@ -107,7 +108,7 @@ def test_stop_prefix_held_equals_the_plain_definition():
 
 
 def test_stop_search_covers_only_the_new_text_window_and_finds_the_same_cut(monkeypatch):
-    import clover.serving.batcher as batcher
+    import clover.text as text_module
 
     windows = []
 
@@ -115,7 +116,7 @@ def test_stop_search_covers_only_the_new_text_window_and_finds_the_same_cut(monk
         windows.append(len(text) - start)
         return cut_at_stop(text, stops, start)
 
-    monkeypatch.setattr(batcher, "cut_at_stop", spy)
+    monkeypatch.setattr(text_module, "cut_at_stop", spy)
     rng = random.Random(1)
     stops = ("abcab", "bbbb", "cacc")
     for trial in range(200):
@@ -521,7 +522,7 @@ def test_integer_inputs_are_refused_not_wrapped_where_the_model_sees_them(server
         with GrpcClient(server.grpc_url) as client:
             collect(client.stream_raw({"text_input": (np.array([b"hi"], dtype=object), "BYTES"),
                                        "max_tokens": (np.array([2**32 + 8], np.int64), "INT64")}))
-    for body, message in [({"text_input": "hi", "max_tokens": 4, "end_id": -1}, "end_id -1 is outside"),
+    for body, message in [({"text_input": "hi", "max_tokens": 4, "end_id": -1}, "(end_id) -1 is outside"),
                           ({"text_input": "hi", "max_tokens": 0}, "max_new_tokens must be >= 1"),
                           ({"text_input": "hi", "max_tokens": 4, "stop_words": ["w"] * 65}, "at most 64")]:
         status, text = _http(server, "POST", "/v2/models/clover/generate", body)

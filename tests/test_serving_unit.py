@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from clover.config import ConfigError
-from clover.decode import GenerationRequest, SpeculativeDecoder, cut_at_stop
-from clover.serving.batcher import InflightBatcher, TextStream
+from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.serving.batcher import InflightBatcher
 from clover.serving.protocol import (INPUTS, PARAMETERS, RequestError, RequestLimits, model_parameters, parse_request,
                                      render_model_config)
+from clover.prompts import encode_prompt
 from clover.serving.repository import TEMPLATE_MODEL_PY, write_repository
+from clover.text import StopFinder, TextStream, answer_text, cut_at_stop, stop_prefix_held
 from tests.serving_support import PROMPTS, long_answer_prompt, reference, tiny_engine_dir  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,7 +104,16 @@ def test_parse_request_reads_every_input():
 
 
 @pytest.mark.parametrize("inputs, message", [
-    ({"text_input": None}, "missing required input 'text_input'"),
+    ({"text_input": None}, "give exactly one of text_input .* and input_ids .*, got neither"),
+    ({"input_ids": np.array([104, 105], np.int32)}, "give exactly one of text_input .* and input_ids .*, not both"),
+    ({"text_input": None, "input_ids": np.array([5, 258, 7], np.int32)},
+     r"prompt token id 258 is outside the vocabulary \[0, 258\)"),
+    ({"text_input": None, "input_ids": np.array([-1], np.int32)}, "prompt token id -1 is outside the vocabulary"),
+    ({"text_input": None, "input_ids": np.array([], np.int32)}, "the prompt is empty"),
+    ({"text_input": None, "input_ids": np.array([1.0], np.float32)}, r"input_ids must be integers \(INT32\)"),
+    ({"text_input": None, "input_ids": np.array([1], np.int32), "apply_chat_template": np.array([True])},
+     "apply_chat_template applies to text_input"),
+    ({"text_input": None, "input_ids": np.array([1] * 64, np.int32)}, "the prompt is 64 tokens"),
     ({"max_tokens": None}, "missing required input 'max_tokens'"),
     ({"text_input": np.array([b"\xff\xfe bad"], dtype=object)}, "not valid UTF-8"),
     ({"text_input": np.array([b""], dtype=object)}, "the prompt is empty"),
@@ -129,8 +140,35 @@ def test_parse_request_rejects_bad_input(inputs, message):
         parse_request(_get(**inputs), _Tok(), LIMITS)
 
 
-def test_every_input_has_a_spec_and_only_text_and_max_tokens_are_required():
-    assert [s.name for s in INPUTS if not s.optional] == ["text_input", "max_tokens"]
+def test_every_input_has_a_spec_and_only_max_tokens_is_required():
+    assert [s.name for s in INPUTS if not s.optional] == ["max_tokens"]  # and one of text_input, input_ids
+    ids = next(s for s in INPUTS if s.name == "input_ids")
+    assert (ids.dtype, ids.dims) == ("INT32", (-1,)) and "exactly one of text_input and input_ids" in ids.doc
+
+
+def test_input_ids_are_the_prompt_as_the_text_would_encode_it():
+    tok = _ChatTok()
+    from_text = parse_request(_get(apply_chat_template=np.array([True])), tok, LIMITS).generation
+    ids = np.array(encode_prompt(tok, "hello", True), np.int32)
+    from_ids = parse_request(_get(text_input=None, input_ids=ids), tok, LIMITS).generation
+    assert from_ids.prompt_ids == from_text.prompt_ids == [1, *b"hello", 2]
+    assert all(type(i) is int for i in from_ids.prompt_ids)
+    # the same request object the parser checked goes on unchecked: one validate per request
+
+
+def test_parse_request_checks_values_with_the_one_request_check(monkeypatch):
+    calls = []
+    real = GenerationRequest.validate
+
+    def counted(self, *args, **kwargs):
+        calls.append(args)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationRequest, "validate", counted)
+    parse_request(_get(), _Tok(), LIMITS)
+    assert len(calls) == 1
+    with pytest.raises(RequestError, match="max_new_tokens 65 is larger than the engine's context of 64 tokens"):
+        parse_request(_get(max_tokens=np.array([65], np.int32)), _Tok(), LIMITS)
 
 
 # -- text streaming ---------------------------------------------------------------------------------
@@ -165,6 +203,69 @@ def test_cut_at_stop_ends_the_text_before_the_earliest_stop_string():
     assert cut_at_stop("xabcde", ("cd", "bcde")) == "xa"  # the earliest start wins, whatever the order
     assert cut_at_stop("xabcde", ["de"]) == "xabc"
     assert cut_at_stop("xabcde", ("", "q")) == "xabcde"  # an empty stop string never matches
+
+
+class _PieceTok:
+    """Tokens are the pieces of a table, so one token may hold several characters (or a stop string's middle)."""
+
+    PIECES = ["he", "llo E", "N", "D!", " more", "ENDING"]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+def test_stop_finder_finds_a_stop_string_split_across_tokens():
+    tok = _PieceTok()
+    finder = StopFinder(tok.decode, ("END", ""))
+    generated = [0, 1]
+    assert finder.cut(generated, 0) is None  # "hello E" could still become "hello END": no cut yet
+    generated += [2]
+    assert finder.cut(generated, 2) is None
+    generated += [3, 4]  # "D!" completes "END": the answer keeps the tokens up to and with that one
+    assert finder.cut(generated, 3) == 4
+    assert answer_text(tok.decode, generated[:4], ("END",)) == "hello "
+    # a stop string inside one token: that token's count
+    assert StopFinder(tok.decode, ("DING",)).cut([0, 5, 4], 0) == 2
+
+
+def test_stop_finder_searches_only_the_new_text():
+    decoded = []
+
+    def decode(ids, skip_special_tokens=False):
+        decoded.append(len(ids))
+        return "".join(chr(97 + i % 3) for i in ids)  # "abcabc..."
+
+    finder, ids = StopFinder(decode, ("zz",)), []
+    for step in range(50):
+        ids += [step * 2, step * 2 + 1]
+        assert finder.cut(ids, len(ids) - 2) is None
+    assert decoded == [2 * (s + 1) for s in range(50)]  # one decode per step while nothing is found
+    assert finder._searched == 100
+
+
+def test_stop_prefix_held_is_the_longest_end_that_may_still_become_a_stop_string():
+    assert stop_prefix_held("say ST", ("STOP",)) == 2
+    assert stop_prefix_held("say STO", ("STOP", "O")) == 3
+    assert stop_prefix_held("say", ("STOP",)) == 0
+    assert stop_prefix_held("abab", ("abac", "bx")) == 2  # "ab" could become "abac" (and "b" "bx"): the longer
+    assert stop_prefix_held("x", ("",)) == 0  # an empty stop string holds nothing back
+
+
+class _RevisingTok:
+    """Byte tokens, except that "a" followed by "b" decodes as "X": a later token revises text already shown."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode().replace("ab", "X")
+
+
+def test_text_stream_never_takes_back_text_a_tokenizer_revises():
+    stream = TextStream(_RevisingTok(), ("zz",))
+    assert stream.push([ord("a")], False) == "a"
+    assert stream.push([ord("b")], False) == ""  # "X" would take back the "a" already sent
+    assert stream.push([ord("c")], True) == ""
+    assert stream.sent == "a"
+    steady = TextStream(_RevisingTok())
+    assert [steady.push([c], False) for c in b"cab"] == ["c", "a", ""]
 
 
 # -- the in-flight batcher --------------------------------------------------------------------------
@@ -384,6 +485,21 @@ def test_submit_rejects_what_the_decoder_would(ort_engine):
         assert batcher.metrics().requests_submitted == 0
 
 
+def test_each_path_checks_a_request_once(ort_engine, monkeypatch):
+    engine, tokenizer = ort_engine
+    calls = []
+    real = GenerationRequest.validate
+    monkeypatch.setattr(GenerationRequest, "validate", lambda self, *a, **k: (calls.append(a), real(self, *a, **k)))
+    SpeculativeDecoder(engine, "clover", tokenizer=tokenizer).submit(_request(tokenizer, "hi", 3))
+    assert len(calls) == 1  # a direct library caller: submit() checks
+    with _batcher(ort_engine) as batcher:
+        for validated, expected in ((False, 2), (True, 2)):  # the batcher checks, the decoder does not repeat it
+            done = _Collector()
+            batcher.submit(_request(tokenizer, "hi", 3), done, validated=validated)
+            assert done.done.wait(60) and done.final.error is None
+            assert len(calls) == expected
+
+
 class _ChatTok(_Tok):
     """Wraps every message in template tokens, as chat templates do: even empty text encodes to tokens."""
 
@@ -591,6 +707,30 @@ def test_triton_model_logic_streams_batches_and_rejects(tiny_engine_dir, referen
     assert families["clover_output_tokens_total"].metrics[0].value == len(expected.token_ids) + len(only["output_ids"])
     reasons = {m.labels["reason"]: m.value for m in families["clover_requests_total"].metrics}
     assert reasons["rejected"] == 1 and sum(reasons.values()) == 3
+
+
+def test_triton_model_takes_input_ids_and_checks_each_request_once(tiny_engine_dir, reference, monkeypatch):
+    from clover.serving.triton_model import CloverTritonModel
+
+    expected = reference(PROMPTS[4], 12)  # before counting: the reference decodes too
+    calls = []
+    real = GenerationRequest.validate
+    monkeypatch.setattr(GenerationRequest, "validate", lambda self, *a, **k: (calls.append(a), real(self, *a, **k)))
+    model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1"))
+    try:
+        ids = encode_prompt(model.loaded.tokenizer, PROMPTS[4], True)  # what the CLI (and text_input) would send
+        by_ids = FakeRequest(input_ids=np.array(ids, np.int32), max_tokens=np.array([12], np.int32))
+        both = FakeRequest(input_ids=np.array(ids, np.int32), text_input=_text("hi"),
+                           max_tokens=np.array([3], np.int32))
+        model.execute([by_ids, both])
+        for request in (by_ids, both):
+            assert request.sender.closed.wait(30)
+    finally:
+        model.finalize()
+    assert by_ids.sender.responses[0].error is None
+    assert by_ids.sender.responses[0].outputs["text_output"][0].decode() == expected.text
+    assert "not both" in both.sender.responses[0].error.message
+    assert len(calls) == 1  # parse_request checked the good request; the batcher and the decoder did not again
 
 
 def long_stream_request(end_id: int) -> "FakeRequest":

@@ -28,7 +28,8 @@ import time
 from typing import Callable
 
 from clover.stats import tokens_per_step
-from clover.decode import GenerationRequest, SpeculativeDecoder, StepEvent, cut_at_stop, stop_search_start
+from clover.decode import GenerationRequest, SpeculativeDecoder, StepEvent
+from clover.text import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -73,56 +74,6 @@ class Update:
     finish_reason: str | None
     stats: RequestStats
     error: str | None = None
-
-
-class TextStream:
-    """Incremental detokenisation whose deltas never need to be taken back.
-
-    The whole answer is decoded each time (``skip_special_tokens``), cut before
-    the first stop string; until the answer is finished, a trailing partial
-    character (U+FFFD) and a tail that could be the start of a stop string are
-    held back. The concatenated deltas equal :attr:`clover.decode.SequenceResult.text`.
-    Stop strings are searched in the new text's window only, so a step's
-    matching cost is bounded by the stop strings, not the answer's length.
-    """
-
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()) -> None:
-        self.tokenizer = tokenizer
-        self.stop_strings = tuple(s for s in stop_strings if s)
-        self.token_ids: list[int] = []
-        self.sent = ""
-        self._searched = 0  # characters of the decoded answer already searched for stop strings
-
-    def push(self, token_ids: list[int], finished: bool) -> str:
-        self.token_ids.extend(token_ids)
-        if self.tokenizer is None:
-            return ""
-        whole = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        text = cut_at_stop(whole, self.stop_strings, stop_search_start(self._searched, self.stop_strings))
-        self._searched = len(whole)
-        if not finished:
-            text = text[: len(text) - stop_prefix_held(text, self.stop_strings)]
-            while text.endswith("\ufffd"):
-                text = text[:-1]
-        if not text.startswith(self.sent):
-            return ""  # the tokenizer revised earlier text; what was sent stays
-        delta, self.sent = text[len(self.sent):], text
-        return delta
-
-
-def stop_prefix_held(text: str, stop_strings: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that is a proper start of a stop string (text that may yet
-    become one); only candidate positions where a stop string's first character occurs are compared."""
-    hold = 0
-    for stop in stop_strings:
-        tail = text[len(text) - min(len(stop) - 1, len(text)):]
-        at = tail.find(stop[0])
-        while 0 <= at and len(tail) - at > hold:
-            if stop.startswith(tail[at:]):
-                hold = len(tail) - at
-                break
-            at = tail.find(stop[0], at + 1)
-    return hold
 
 
 @dataclasses.dataclass
@@ -208,6 +159,9 @@ class InflightBatcher:
         self.decoder = make_decoder()
         self.tokenizer = self.decoder.tokenizer
         self.max_seq_len = self.decoder.engine.spec.max_seq_len
+        # the decoder's request check, run on the caller's thread: it reads only the engine's spec and the
+        # tokenizer, which every decoder make_decoder builds shares
+        self._validate = self.decoder.validate
         self.on_step = on_step
         self.cancel_poll_s = cancel_poll_s
         self._ids = itertools.count()
@@ -225,16 +179,18 @@ class InflightBatcher:
     # -- any thread -------------------------------------------------------
 
     def submit(self, request: GenerationRequest, on_update: Callable[[Update], None],
-               is_cancelled: Callable[[], bool] | None = None) -> RequestHandle:
+               is_cancelled: Callable[[], bool] | None = None, validated: bool = False) -> RequestHandle:
         """Queue a request; it joins the batch at the next step.
 
         ``on_update`` runs on the decode thread after each step that produced something for
         this request, and once with ``finished=True``. If it raises, the request is cancelled.
         ``is_cancelled`` (polled by the decode thread) lets the caller's transport cancel it.
         Raises ConfigError (a ValueError) for a request the decoder would refuse, :class:`ShuttingDown`
-        while draining or after shutdown.
+        while draining or after shutdown. ``validated``: the caller already ran
+        :meth:`GenerationRequest.validate` against this engine (the server's request parser does).
         """
-        request.validate(self.max_seq_len, self.tokenizer is not None)  # the decoder's check, before queueing
+        if not validated:  # this request's one check, before it is queued; the decoder does not repeat it
+            self._validate(request)
         entry = _Entry(next(self._ids), request, on_update, is_cancelled, self.tokenizer)
         with self._cond:
             if self._stopping or self._drain_deadline is not None or not self._thread.is_alive():
@@ -325,7 +281,7 @@ class InflightBatcher:
             self._finish(entry, [], "cancelled")
             return
         try:
-            entry.seq_id = self.decoder.submit(entry.request)
+            entry.seq_id = self.decoder.submit(entry.request, validated=True)  # submit() checked it
         except ValueError as exc:
             self._finish(entry, [], None, str(exc))
             return

@@ -15,11 +15,12 @@ Shutdown (SIGTERM or SIGINT): no new connections; open requests run on for ``--d
 (``clover serve`` drains the model first, so they normally end with the model's own final response),
 then each ends with finish reason ``cancelled``, a stream with its final chunk and ``data: [DONE]``.
 
-Chat prompts: the model wraps ``text_input`` as *one* user turn. A conversation of one user message
-is sent that way, exactly as ``clover client`` sends a prompt; any other conversation is rendered
-here with the same tokenizer's chat template and sent with ``apply_chat_template=false``. The
-frontend needs the tokenizer anyway to count ``usage.prompt_tokens`` (the model does not return
-it), so the Triton protocol, shared with every other client, stays as it is.
+Prompts are tokenized once, here: the frontend needs the token ids anyway to count
+``usage.prompt_tokens`` (the model does not return it), so it sends them as the model's ``input_ids``
+and the model does not encode the text again. A conversation of one user message is encoded through
+the chat template as one user turn, exactly as the model encodes ``clover client``'s ``text_input``
+(``clover.prompts.encode_prompt``); any other conversation is rendered with the same tokenizer's chat
+template and encoded as plain text; a completion's prompt as plain text.
 
 Stand-alone: ``python -m clover.serving.openai_frontend --engine DIR --grpc-url localhost:8001 --port 9000``
 """
@@ -44,8 +45,8 @@ from typing import AsyncIterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clover.client import chunk_from_outputs, input_array, request_fields, tokens_per_step  # the model's tensor mapping
-from clover.config import sampling_range_error
-from clover.prompts import encode_prompt
+from clover.config import ConfigError, new_tokens_range, sampling_range_error
+from clover.prompts import encode_prompt, refuse_empty_prompt
 
 MODEL_NAME = "clover"
 DEFAULT_PORT = 9000
@@ -179,8 +180,9 @@ def _check_ranges(body: _GenerationFields) -> None:
 
 
 def _check_max_tokens(param: str, value: int, context: int) -> None:
-    if not 1 <= value <= context:
-        raise _out_of_range(param, value, 1, context, ", the engine's context in tokens")
+    low, high = new_tokens_range(context)  # the model's own bound, checked here to name the parameter
+    if not low <= value <= high:
+        raise _out_of_range(param, value, low, high, ", the engine's context in tokens")
 
 
 def _refuse_unsupported(body: _GenerationFields) -> None:
@@ -207,13 +209,12 @@ class TritonRequest:
 def chat_request(body: ChatCompletionRequest, tokenizer, context: int) -> TritonRequest:
     messages = [_message(i, m) for i, m in enumerate(body.messages)]
     if len(messages) == 1 and messages[0]["role"] == "user":
-        text, template = messages[0]["content"], True  # the model applies its chat template, as for clover client
+        text, template = messages[0]["content"], True  # one user turn: the chat template, as clover client's text
     else:
         text, template = render_chat(tokenizer, messages), False
-    prompt_tokens = len(encode_prompt(tokenizer, text, template)) if text else 0
     max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-    return _triton_request(body, text, template, prompt_tokens, getattr(body, max_param), context,
-                           {"prompt": "messages", "max_tokens": max_param})
+    return _triton_request(body, prompt_ids(tokenizer, text, template, "messages"), getattr(body, max_param),
+                           context, {"prompt": "messages", "max_tokens": max_param})
 
 
 def completion_request(body: CompletionRequest, tokenizer, context: int) -> TritonRequest:
@@ -222,21 +223,30 @@ def completion_request(body: CompletionRequest, tokenizer, context: int) -> Trit
         if len(prompt) != 1:
             raise OpenAIError(400, f"prompt: send one prompt per request (got a list of {len(prompt)})", "prompt")
         prompt = prompt[0]
-    prompt_tokens = len(encode_prompt(tokenizer, prompt, False)) if prompt else 0
-    return _triton_request(body, prompt, False, prompt_tokens, body.max_tokens, context,
+    return _triton_request(body, prompt_ids(tokenizer, prompt, False, "prompt"), body.max_tokens, context,
                            {"prompt": "prompt", "max_tokens": "max_tokens"})
 
 
-def _triton_request(body: _GenerationFields, text: str, template: bool, prompt_tokens: int,
-                    max_tokens: int | None, context: int, params: dict) -> TritonRequest:
+def prompt_ids(tokenizer, text: str, template: bool, param: str) -> list[int]:
+    """The prompt's token ids, the one tokenization of a request: the model gets them as ``input_ids`` and
+    ``usage.prompt_tokens`` counts them. Empty text is refused first (a chat template would wrap it in tokens)."""
+    try:
+        refuse_empty_prompt(text)
+    except ConfigError as exc:
+        raise OpenAIError(400, f"{param}: {exc}", param) from None
+    return encode_prompt(tokenizer, text, template)
+
+
+def _triton_request(body: _GenerationFields, ids: list[int], max_tokens: int | None, context: int,
+                    params: dict) -> TritonRequest:
     if max_tokens is None:  # OpenAI's default: as many as the context leaves
-        max_tokens = max(1, context - prompt_tokens)
+        max_tokens = max(1, context - len(ids))
     _check_max_tokens(params["max_tokens"], max_tokens, context)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    fields = request_fields(text, max_tokens, body.stream, temperature=body.temperature, top_k=body.top_k,
-                            top_p=body.top_p, stop_words=stop, seed=body.seed, perf=True, chat_template=template)
+    fields = request_fields(ids, max_tokens, body.stream, temperature=body.temperature, top_k=body.top_k,
+                            top_p=body.top_p, stop_words=stop, seed=body.seed, perf=True)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    return TritonRequest(fields, prompt_tokens, body.stream, include_usage, params, body.return_token_ids)
+    return TritonRequest(fields, len(ids), body.stream, include_usage, params, body.return_token_ids)
 
 
 def _message(index: int, message: ChatMessage) -> dict:
@@ -254,7 +264,7 @@ def _message(index: int, message: ChatMessage) -> dict:
 
 def render_chat(tokenizer, messages: list[dict]) -> str:
     """The conversation through the tokenizer's chat template, as text that ``encode_prompt(.., chat=False)``
-    (what the model does with ``apply_chat_template=false``) turns into the template's token ids."""
+    turns into the template's token ids."""
     from jinja2 import TemplateError
 
     if not getattr(tokenizer, "chat_template", None):
@@ -277,7 +287,8 @@ def model_error(message: str, params: dict) -> OpenAIError:
         return _unavailable(message)
     keywords = (("max_new_tokens", params["max_tokens"]), ("max_tokens", params["max_tokens"]),
                 ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("stop", "stop"),
-                ("random_seed", "seed"), ("text_input", params["prompt"]), ("prompt", params["prompt"]))
+                ("random_seed", "seed"), ("text_input", params["prompt"]), ("input_ids", params["prompt"]),
+                ("prompt", params["prompt"]))
     found = [(message.find(word), param) for word, param in keywords if word in message]
     param = min(found)[1] if found else None
     named = param is None or message.startswith(param)

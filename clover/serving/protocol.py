@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Callable, Mapping
 
 import numpy as np
 
 from clover.config import ConfigError, SamplingConfig
-from clover.decode import GenerationRequest, refuse_empty_prompt
+from clover.decode import GenerationRequest
+from clover.prompts import refuse_empty_prompt
 
 
 # Set by clover.serving.server.TritonServer in tritonserver's environment (the stubs inherit it): the file it
@@ -43,7 +43,11 @@ class TensorSpec:
 
 
 INPUTS = (
-    TensorSpec("text_input", "STRING", (1,), doc="the prompt, UTF-8 (the chat template is applied by default)"),
+    TensorSpec("text_input", "STRING", (1,), True,
+               "the prompt, UTF-8 (the chat template is applied by default); give exactly one of text_input and "
+               "input_ids"),
+    TensorSpec("input_ids", "INT32", (-1,), True,
+               "the prompt as token ids; give exactly one of text_input and input_ids"),
     TensorSpec("max_tokens", "INT32", (1,), doc="new tokens at most, 1 .. the engine's context"),
     TensorSpec("stream", "BOOL", (1,), True, "true: one response per decode step with the new text"),
     TensorSpec("temperature", "FP32", (1,), True, "0 (default) is greedy; up to 2 samples"),
@@ -53,7 +57,8 @@ INPUTS = (
     TensorSpec("stop_words", "STRING", (-1,), True, "stop strings; the text ends before the first one"),
     TensorSpec("random_seed", "UINT64", (1,), True, "seed for sampling"),
     TensorSpec("return_perf_metrics", "BOOL", (1,), True, "also return the acceptance counters"),
-    TensorSpec("apply_chat_template", "BOOL", (1,), True, "wrap text_input as one user turn (default: model parameter)"),
+    TensorSpec("apply_chat_template", "BOOL", (1,), True,
+               "wrap text_input as one user turn (default: model parameter); not with input_ids"),
 )
 
 OUTPUTS = (
@@ -165,66 +170,70 @@ class RequestLimits:
 
 def parse_request(get: Callable[[str], "np.ndarray | None"], tokenizer, limits: RequestLimits,
                   request_id=None) -> ParsedRequest:
-    """Validate one request's inputs and turn them into a :class:`GenerationRequest`.
+    """Read one request's inputs into a :class:`GenerationRequest` and check it.
 
-    ``get(name)`` returns the input as a numpy array, or None when it is absent.
-    Raises :class:`RequestError` with a message for the client.
+    ``get(name)`` returns the input as a numpy array, or None when it is absent. Here: what is particular
+    to the Triton inputs (presence, types, shapes, UTF-8, the stop-word limits, the prompt as text or ids);
+    the values are checked by :meth:`GenerationRequest.validate`, the one request check, whose ConfigError
+    becomes the RequestError. Raises :class:`RequestError` with a message for the client.
     """
-    from clover.prompts import encode_prompt
-
     for spec in INPUTS:
         if not spec.optional and get(spec.name) is None:
             raise RequestError(f"missing required input '{spec.name}'")
-
-    raw = _one(get, "text_input")
-    if isinstance(raw, (bytes, np.bytes_)):
-        try:
-            text = bytes(raw).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise RequestError(f"text_input is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    elif isinstance(raw, str):
-        text = raw
-    else:
-        raise RequestError(f"text_input must be BYTES (a string), got {type(raw).__name__}")
-    try:
-        refuse_empty_prompt(text)  # before encoding, as a chat template turns even empty text into tokens
-    except ConfigError as exc:
-        raise RequestError(str(exc)) from None
-
+    prompt_ids = _prompt_ids(get, tokenizer, limits)
     max_tokens = _number(get, "max_tokens", _INT, None)
-    if max_tokens > limits.max_seq_len:
-        raise RequestError(f"max_tokens {max_tokens} is larger than the engine's context of {limits.max_seq_len} tokens")
-
     temperature = _number(get, "temperature", _FLOAT, 0.0)
     top_p = _number(get, "top_p", _FLOAT, 1.0)
-    if not math.isfinite(temperature) or not math.isfinite(top_p):
-        raise RequestError("temperature and top_p must be finite numbers")
     try:
         sampling = SamplingConfig(temperature=float(temperature), top_k=int(_number(get, "top_k", _INT, 0)),
                                   top_p=float(top_p))
     except ConfigError as exc:
         raise RequestError(f"{exc} (got temperature={temperature:g}, top_p={top_p:g})") from None
-
-    stop_ids = None
     end_id = _number(get, "end_id", _INT, None)
-    if end_id is not None:
-        if not 0 <= end_id < limits.vocab_size:
-            raise RequestError(f"end_id {end_id} is outside the vocabulary [0, {limits.vocab_size})")
-        stop_ids = (int(end_id),)
-
-    stop_words = _stop_words(get, limits)
-
-    seed = _number(get, "random_seed", _INT, 0)
-    chat = _flag(get, "apply_chat_template", limits.apply_chat_template)
-    prompt_ids = encode_prompt(tokenizer, text, chat)
     generation = GenerationRequest(prompt_ids, max_new_tokens=int(max_tokens), sampling=sampling,
-                                   stop_token_ids=stop_ids, stop_strings=tuple(stop_words), seed=int(seed),
-                                   request_id=request_id)
+                                   stop_token_ids=None if end_id is None else (int(end_id),),
+                                   stop_strings=tuple(_stop_words(get, limits)),
+                                   seed=int(_number(get, "random_seed", _INT, 0)), request_id=request_id)
     try:
-        generation.validate(limits.max_seq_len, tokenizer is not None)
+        generation.validate(limits.max_seq_len, tokenizer is not None, limits.vocab_size, cap_new_tokens=True)
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
     return ParsedRequest(generation, _flag(get, "stream", False), _flag(get, "return_perf_metrics", False))
+
+
+def _prompt_ids(get, tokenizer, limits: RequestLimits) -> list[int]:
+    """The prompt's token ids: ``input_ids`` as sent (validate checks them against the vocabulary), or
+    ``text_input`` encoded (clover.prompts.encode_prompt, the chat template per ``apply_chat_template``)."""
+    from clover.prompts import encode_prompt
+
+    text, ids = get("text_input"), get("input_ids")
+    if (text is None) == (ids is None):
+        raise RequestError("give exactly one of text_input (the prompt as text) and input_ids (the prompt as "
+                           f"token ids), {'not both' if text is not None else 'got neither'}")
+    if ids is not None:
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise RequestError(f"input_ids must be integers (INT32), got {ids.dtype}")
+        if _flag(get, "apply_chat_template", False):
+            raise RequestError("apply_chat_template applies to text_input; input_ids are taken as they are")
+        return [int(i) for i in ids.reshape(-1)]
+    text = _text(_one(get, "text_input"))
+    try:
+        refuse_empty_prompt(text)  # before encoding, as a chat template turns even empty text into tokens
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
+    return encode_prompt(tokenizer, text, _flag(get, "apply_chat_template", limits.apply_chat_template))
+
+
+def _text(raw) -> str:
+    if isinstance(raw, (bytes, np.bytes_)):
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"text_input is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if isinstance(raw, str):
+        return raw
+    raise RequestError(f"text_input must be BYTES (a string), got {type(raw).__name__}")
 
 
 def refuse_unknown_parameters(parameters: str | Mapping | None) -> None:

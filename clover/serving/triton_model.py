@@ -126,7 +126,8 @@ class CloverTritonModel:
             parsed = parse_request(get, self.loaded.tokenizer, self.limits, request_id=request.request_id())
             responder = _Responder(self.pb, sender, parsed.stream, parsed.return_perf_metrics)
             is_cancelled = getattr(sender, "is_cancelled", None) or getattr(request, "is_cancelled", None)
-            self.batcher.submit(parsed.generation, responder, is_cancelled)
+            # parse_request ran the request check: the batcher and the decoder do not repeat it
+            self.batcher.submit(parsed.generation, responder, is_cancelled, validated=True)
         except Exception as exc:  # RequestError / ValueError: bad input; anything else: still this request only
             if self.prometheus is not None:
                 self.prometheus.rejected()
