@@ -290,7 +290,8 @@ class SpeculativeDecoder:
         factory = getattr(engine, "device_stepper", None)  # a capability of the engine, not every backend's
         if factory is None or not method_traits(method).runs_on_device_stepper or self.tree.static_choices is not None:
             return None
-        stepper = factory(self.cache, self.max_batch_size, self.tree.budget if uses_heads(method) else 0)
+        stepper = factory(self.cache, self.max_batch_size, self.tree.budget if uses_heads(method) else 0,
+                          max_depth=max(self.tree.proposer_depth, engine.spec.num_draft_heads))  # the host's calibration
         given, given_depth = self._device_given_shape()
         stepper.capture_ahead(self._device_depth(), min(self.tree.top_k, engine.spec.draft_top_k), given, given_depth)
         return stepper
@@ -563,7 +564,9 @@ class SpeculativeDecoder:
             seq.root_token = tokens[-1]
             events.append(self._event(seq, seq.emit(tokens), step_counts))
         if self.adaptive is not None:  # the budget the step ran (the stepper rounds to its graphs' budgets)
-            self.adaptive.observe(shape.budget, [count - 1 for count in counts])
+            # with suffix candidates in the trees the chooser learns from the heads' accepted run alone
+            heads_accepted = rows[:, width + 2].tolist() if shape.given else [count - 1 for count in counts]
+            self.adaptive.observe(shape.budget, heads_accepted)
             if self.adaptive.step_timing:
                 self.adaptive.observe_time(len(seqs), shape.budget, time.perf_counter() - started,
                                            sum(counts) / len(counts), tree_tokens=shape.tree_tokens)

@@ -13,6 +13,9 @@ TensorRT-LLM's one-model speculative decoding does), and the host reads back one
 * :func:`accept_greedy`: the longest path whose every token is the target's argmax after its parent.
 * :func:`commit`: the accepted path's K/V moved to consecutive positions, in place.
 * :func:`emit`: the accepted tokens and counts as one int64 tensor, the step's single device-to-host copy.
+* :class:`DeviceCalibration`: the candidate sources' calibration (:class:`clover.adaptive.SourceCalibration`'s
+  rule) kept on the device: it scores the heads' and the given candidates on one scale, and each step with given
+  candidates updates it in place from the accepted nodes.
 
 Greedy acceptance makes the output exactly the target's greedy decoding whatever the tree, so this tree builder
 may differ from the host's (:mod:`clover.tree`) without changing a token.
@@ -28,6 +31,7 @@ import torch
 
 from clover.attention import InPlaceAttention
 from clover.engine_contract import DraftResult
+from clover.tree import SUFFIX_MATCH_ROWS, suffix_calibration_row
 
 # A child scores strictly below its parent, so the best-N set of candidates always holds each node's ancestors
 # (a head's log-probability can be 0, and -inf would tie).
@@ -45,6 +49,10 @@ class DeviceTree:
 
     tokens, depths int64 ``[B, T]``; parents int64 ``[B, T]`` (-1 for the root); ancestors bool ``[B, T, T]``
     (a node's ancestors and itself). ``max_depth``: the deepest a node can be (static, for the path width).
+    Where the nodes came from (None for trees not built by :func:`propose_tree`): rows int64 ``[B, T]``, each
+    node's calibration row (0: the heads' or the root, 1..SUFFIX_MATCH_ROWS: a given candidate's key);
+    lograw float32 ``[B, T]``: the log of its source's raw probability (the heads' joint path probability, the
+    suffix's count ÷ total).
     """
 
     tokens: torch.Tensor
@@ -52,6 +60,8 @@ class DeviceTree:
     parents: torch.Tensor
     ancestors: torch.Tensor
     max_depth: int
+    rows: torch.Tensor | None = None
+    lograw: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -93,36 +103,83 @@ class GivenCandidates:
     (docs/gpu-engine.md#suffix-candidates): each ``[B, S]``, padded with score ``PADDING_SCORE``.
 
     tokens, depths int64; parents int64 (-1: a child of the root, else the index of the parent among these);
-    scores float32: the log-probability the proposer gives the path, below its parent's.
+    scores float32: the log of the raw probability the proposer gives the path (the tree scores it on the heads'
+    scale with ``keys`` and a :class:`DeviceCalibration`, and below its parent's); keys int64 ``[B]``: each row's
+    calibration row, 1..SUFFIX_MATCH_ROWS by the matched suffix's length (None: row 1).
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
     scores: torch.Tensor
+    keys: torch.Tensor | None = None
 
 
 PADDING_SCORE = -1e9  # below any drafted candidate (clamped at _MIN_LOGPROB per level): chosen only to fill
+GIVEN_ROWS = 5  # given_arrays' rows: tokens, parents, depths, scores, keys
 
 
 def given_arrays(proposals, width: int) -> np.ndarray:
-    """Suffix proposals (:class:`clover.suffix.SuffixProposal`, or None) as one float64 ``[4, B, width]`` array:
-    tokens, parents, depths and scores, padded (what :class:`GivenCandidates` holds once on the device).
+    """Suffix proposals (:class:`clover.suffix.SuffixProposal`, or None) as one float64 ``[5, B, width]`` array:
+    tokens, parents, depths, scores and keys, padded (what :class:`GivenCandidates` holds once on the device).
 
-    A node's score is the log of the share of matches that continue with its path, less a small amount per level
-    so that a child scores strictly below its parent (the best-N set keeps each node's ancestors).
+    A node's score is the log of its raw probability, the share of matches that continue with its path (the
+    tree calibrates it and puts each child below its parent); a row's key, repeated along the row, is its
+    calibration row (:func:`clover.tree.suffix_calibration_row` of the matched suffix's length).
     """
-    out = np.zeros((4, len(proposals), width))
+    out = np.zeros((GIVEN_ROWS, len(proposals), width))
     out[1], out[3] = -1, PADDING_SCORE
     for row, proposal in enumerate(proposals):
         count = 0 if proposal is None else min(width, len(proposal.tokens))
+        out[4, row] = suffix_calibration_row(proposal.match_length if count else 0)
         if count:
             out[0, row, :count] = proposal.tokens[:count]
             out[1, row, :count] = proposal.parents[:count]
             out[2, row, :count] = proposal.depths[:count]
-            out[3, row, :count] = (np.log(proposal.counts[:count] / proposal.total)
-                                   - _CHILD_PENALTY * proposal.depths[:count])
+            out[3, row, :count] = np.log(proposal.counts[:count] / proposal.total)
     return out
+
+
+@dataclasses.dataclass
+class DeviceCalibration:
+    """:class:`clover.adaptive.SourceCalibration` on the device (docs/gpu-engine.md#suffix-candidates): predicted,
+    accepted float32 ``[1 + SUFFIX_MATCH_ROWS, D + 1]`` per calibration row and depth, updated in place by the
+    steps with given candidates (a CUDA graph replays the update on the same buffers); factor = accepted ÷
+    predicted; ``decay`` per step."""
+
+    predicted: torch.Tensor
+    accepted: torch.Tensor
+    decay: float
+
+    @classmethod
+    def of(cls, host, device: torch.device | str = "cpu") -> "DeviceCalibration":
+        """The device copy of a host :class:`clover.adaptive.SourceCalibration` (its priors, or what it measured)."""
+        if host.predicted.shape[0] != 1 + SUFFIX_MATCH_ROWS:
+            raise ValueError(f"a calibration of {host.predicted.shape[0]} rows, not 1 + {SUFFIX_MATCH_ROWS}")
+        return cls(torch.tensor(host.predicted, dtype=torch.float32, device=device),
+                   torch.tensor(host.accepted, dtype=torch.float32, device=device), float(host.decay))
+
+    def log_factors(self) -> torch.Tensor:
+        """float32 ``[rows, D + 1]``: log(accepted ÷ predicted), at least ``_MIN_LOGPROB`` (never -inf)."""
+        return torch.log(self.accepted / self.predicted).clamp(min=_MIN_LOGPROB)
+
+    def observe(self, tree: DeviceTree, matched: torch.Tensor, live: torch.Tensor) -> None:
+        """:meth:`clover.adaptive.SourceCalibration.observe`'s rule from one step's trees: each drafted node
+        (depth > 0, raw probability > 0) of a ``live`` row (bool ``[B]``) adds its raw probability to the predicted
+        cell of (its row, its depth) and, if ``matched`` (:func:`matched_nodes`), 1 to the accepted cell; only the
+        cells seen decay. A path both sources proposed is two nodes here, one per source, and both match when
+        the path is accepted: so it counts for both sources, as the host's one merged node does."""
+        rows, width = self.predicted.shape
+        raw = tree.lograw.exp()
+        counted = (tree.depths > 0) & (raw > 0) & live[:, None]
+        cells = (tree.rows.clamp(0, rows - 1) * width + tree.depths.clamp(0, width - 1)).flatten()
+        predicted = torch.zeros(rows * width, device=raw.device).index_add_(
+            0, cells, torch.where(counted, raw, 0.0).flatten()).view(rows, width)
+        accepted = torch.zeros(rows * width, device=raw.device).index_add_(
+            0, cells, (counted & matched).float().flatten()).view(rows, width)
+        seen = predicted > 0
+        self.predicted.copy_(torch.where(seen, self.decay * self.predicted + predicted, self.predicted))
+        self.accepted.copy_(torch.where(seen, self.decay * self.accepted + accepted, self.accepted))
 
 
 def root_tree(root_tokens: torch.Tensor) -> DeviceTree:
@@ -134,11 +191,13 @@ def root_tree(root_tokens: torch.Tensor) -> DeviceTree:
 
 
 def propose_tree(draft: DeviceDraftFn | None, root_hidden: torch.Tensor, root_tokens: torch.Tensor,
-                 shape: StepShape, given: GivenCandidates | None = None) -> DeviceTree:
+                 shape: StepShape, given: GivenCandidates | None = None,
+                 log_factors: torch.Tensor | None = None) -> DeviceTree:
     """Each row's tree of ``1 + shape.budget`` nodes from ``shape.depth`` draft steps (one per head) and the
     ``given`` candidates, the best by score.
 
     root_hidden ``[B, H]``: h0 at each row's last accepted position; root_tokens int64 ``[B]``.
+    log_factors: :meth:`DeviceCalibration.log_factors` to score both sources on one scale (None: raw scores).
     """
     if shape.tree_tokens == 1:
         return root_tree(root_tokens)
@@ -147,8 +206,10 @@ def propose_tree(draft: DeviceDraftFn | None, root_hidden: torch.Tensor, root_to
         _draft_levels(draft, root_hidden, root_tokens, shape, pool)
     if given is not None and shape.given:
         first = pool.size
-        pool.add(given.tokens, torch.where(given.parents < 0, 0, given.parents + first), given.scores, given.depths)
-    return pool.best_tree(shape.budget, shape.max_depth)
+        keys = (given.keys[:, None] if given.keys is not None else torch.ones_like(given.tokens[:, :1]))
+        pool.add(given.tokens, torch.where(given.parents < 0, 0, given.parents + first), given.scores, given.depths,
+                 keys.expand_as(given.tokens))
+    return pool.best_tree(shape.budget, shape.max_depth, log_factors)
 
 
 def _draft_levels(draft: DeviceDraftFn, root_hidden: torch.Tensor, root_tokens: torch.Tensor, shape: StepShape,
@@ -162,10 +223,11 @@ def _draft_levels(draft: DeviceDraftFn, root_hidden: torch.Tensor, root_tokens: 
         result = draft(hidden.reshape(batch * frontier, -1), tokens.reshape(-1), head)
         k = min(shape.top_k, result.topk_ids.shape[1])
         logprobs = result.topk_logprobs[:, :k].float().clamp(min=_MIN_LOGPROB).view(batch, frontier * k)
-        child_score = score.repeat_interleave(k, 1) + logprobs - _CHILD_PENALTY  # [B, F*k]
+        child_score = score.repeat_interleave(k, 1) + logprobs  # [B, F*k]: joint log-probabilities
         child_tokens = result.topk_ids[:, :k].reshape(batch, frontier * k)
         parents = index.repeat_interleave(k, 1)
-        first = pool.add(child_tokens, parents, child_score, torch.full_like(parents, head + 1))
+        first = pool.add(child_tokens, parents, child_score, torch.full_like(parents, head + 1),
+                         torch.zeros_like(parents))
         if head + 1 == shape.depth:
             break
         best = torch.topk(child_score, min(shape.width, frontier * k), dim=1).indices  # [B, W]
@@ -175,30 +237,48 @@ def _draft_levels(draft: DeviceDraftFn, root_hidden: torch.Tensor, root_tokens: 
 
 
 class _CandidatePool:
-    """Every candidate of a step's levels, ``[B, P]`` per field; slot 0 is the root."""
+    """Every candidate of a step's levels, ``[B, P]`` per field; slot 0 is the root. ``lograw``: the log of each
+    candidate's raw probability; ``rows``: its calibration row (0: the heads')."""
 
     def __init__(self, root_tokens: torch.Tensor) -> None:
         batch, device = root_tokens.shape[0], root_tokens.device
         self.tokens = [root_tokens[:, None].to(torch.int64)]
         self.parents = [torch.full((batch, 1), -1, dtype=torch.int64, device=device)]
-        self.scores = [torch.zeros(batch, 1, device=device)]
+        self.lograw = [torch.zeros(batch, 1, device=device)]
         self.depths = [torch.zeros(batch, 1, dtype=torch.int64, device=device)]
+        self.rows = [torch.zeros(batch, 1, dtype=torch.int64, device=device)]
         self.size = 1
 
-    def add(self, tokens, parents, scores, depths) -> int:
+    def add(self, tokens, parents, lograw, depths, rows) -> int:
         """Append candidates ``[B, n]`` (parents: pool slots); returns the first one's slot."""
         first = self.size
         self.tokens.append(tokens.to(torch.int64))
         self.parents.append(parents)
-        self.scores.append(scores.float())
+        self.lograw.append(lograw.float())
         self.depths.append(depths)
+        self.rows.append(rows.to(torch.int64))
         self.size += tokens.shape[1]
         return first
 
-    def best_tree(self, budget: int, max_depth: int) -> DeviceTree:
-        """The root and the ``budget`` best candidates, in slot order (parents first)."""
+    def scores(self, max_depth: int, log_factors: torch.Tensor | None) -> torch.Tensor:
+        """float32 ``[B, P]``: each candidate's calibrated log-probability (its raw one times its row and depth's
+        factor), cut to ``_CHILD_PENALTY`` below its parent's: a child then always scores strictly below its parent,
+        so the best-N set holds each node's ancestors, whatever the factors (a later level's factor may be larger
+        than an earlier one's). One level per pass, ``max_depth`` passes: a static count."""
+        parents, scores, depths = torch.cat(self.parents, 1), torch.cat(self.lograw, 1), torch.cat(self.depths, 1)
+        if log_factors is not None:
+            cells = torch.cat(self.rows, 1) * log_factors.shape[1] + depths.clamp(0, log_factors.shape[1] - 1)
+            scores = scores + log_factors.flatten()[cells]
+        has_parent = parents >= 0
+        for _ in range(max_depth):
+            below = scores.gather(1, parents.clamp(min=0)) - _CHILD_PENALTY
+            scores = torch.where(has_parent, torch.minimum(scores, below), scores)
+        return scores
+
+    def best_tree(self, budget: int, max_depth: int, log_factors: torch.Tensor | None = None) -> DeviceTree:
+        """The root and the ``budget`` best candidates by :meth:`scores`, in slot order (parents first)."""
         tokens, parents = torch.cat(self.tokens, 1), torch.cat(self.parents, 1)
-        scores, depths = torch.cat(self.scores, 1), torch.cat(self.depths, 1)
+        depths, scores = torch.cat(self.depths, 1), self.scores(max_depth, log_factors)
         chosen = torch.topk(scores[:, 1:], min(budget, self.size - 1), dim=1).indices + 1
         slots = torch.cat([torch.zeros_like(chosen[:, :1]), chosen.sort(dim=1).values], 1)  # [B, T]
         node_of_slot = torch.full_like(tokens, -1).scatter_(1, slots, torch.arange(
@@ -206,7 +286,8 @@ class _CandidatePool:
         parent_slots = parents.gather(1, slots)
         tree_parents = torch.where(parent_slots >= 0, node_of_slot.gather(1, parent_slots.clamp(min=0)), -1)
         return DeviceTree(tokens.gather(1, slots), depths.gather(1, slots), tree_parents,
-                          ancestor_masks(tree_parents, max_depth), max_depth)
+                          ancestor_masks(tree_parents, max_depth), max_depth, torch.cat(self.rows, 1).gather(1, slots),
+                          torch.cat(self.lograw, 1).gather(1, slots))
 
 
 def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -376,24 +457,50 @@ def commit(keys: torch.Tensor, values: torch.Tensor, past_lengths: torch.Tensor,
         cache.scatter_(3, target, cache.gather(3, source))
 
 
-def emit(accepted: DeviceAccepted, tree: DeviceTree) -> torch.Tensor:
-    """int64 ``[B, A + 2]``: the accepted tokens, their count, and the tree's depth (for the statistics)."""
-    return torch.cat([accepted.tokens, accepted.counts[:, None], tree.depths.max(1, keepdim=True).values], 1)
+def matched_nodes(tree: DeviceTree, accepted: DeviceAccepted) -> torch.Tensor:
+    """bool ``[B, T]``: the nodes whose token path is a prefix of the accepted tokens (the root included). In a
+    tree where no two nodes share a token path these are the accepted path's nodes; a path proposed by both
+    sources is two nodes here, and both match (as the host's merged node is on its path)."""
+    width = accepted.tokens.shape[1]
+    drafted = accepted.tokens.gather(1, (tree.depths - 1).clamp(0, width - 1))  # the accepted token at that depth
+    token_ok = (tree.depths == 0) | ((tree.depths < accepted.counts[:, None]) & (tree.tokens == drafted))
+    return ~(tree.ancestors & ~token_ok[:, None, :]).any(-1)
+
+
+def heads_run(tree: DeviceTree, accepted: DeviceAccepted, matched: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B]``: the accepted draft tokens that the heads proposed, the leading run of heads' nodes on the
+    accepted path (what :meth:`clover.proposers.SuffixProposer.observe` returns): the heads' nodes form a tree
+    of their own, one node per token path, so the matched ones are that run."""
+    if tree.rows is None:
+        return accepted.counts - 1
+    return (matched & (tree.rows == 0) & (tree.depths > 0)).sum(-1)
+
+
+def emit(accepted: DeviceAccepted, tree: DeviceTree, heads_accepted: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[B, A + 3]``: the accepted tokens, their count, the tree's depth (for the statistics), and the
+    accepted draft tokens the heads proposed (:func:`heads_run`; default: all of them)."""
+    heads = accepted.counts - 1 if heads_accepted is None else heads_accepted
+    return torch.cat([accepted.tokens, accepted.counts[:, None], tree.depths.max(1, keepdim=True).values,
+                      heads[:, None]], 1)
 
 
 def decode_step(target: DeviceTargetFn, draft: DeviceDraftFn | None, keys: torch.Tensor, values: torch.Tensor,
                 past_lengths: torch.Tensor, root_tokens: torch.Tensor, root_hidden: torch.Tensor,
                 shape: StepShape, given: GivenCandidates | None = None,
-                sampling: DeviceSampling | None = None) -> torch.Tensor:
+                sampling: DeviceSampling | None = None, calibration: DeviceCalibration | None = None) -> torch.Tensor:
     """One whole step for rows ``[0, shape.batch)``: propose → verify → accept → commit → emit.
 
     keys, values ``[L, B, Hkv, S, D]``; past_lengths ``[B]`` (read only: the host advances its own copy by the
-    counts); root_tokens int64 ``[B]``; root_hidden ``[B, H]`` (overwritten with the next roots' states);
-    given: candidates to merge into the trees (None: the heads' alone); sampling: rows' settings when some row
-    samples (None: greedy for all, the cheaper acceptance).
+    counts; rows of length 0 are padding); root_tokens int64 ``[B]``; root_hidden ``[B, H]`` (overwritten with
+    the next roots' states); given: candidates to merge into the trees (None: the heads' alone); sampling: rows'
+    settings when some row samples (None: greedy for all, the cheaper acceptance); calibration: the sources'
+    calibration, which scores a step with given candidates and learns from its live rows' accepted nodes (None,
+    or no given candidates: raw scores, nothing learnt, as the host's heads-only trees).
     Returns :func:`emit`'s tensor; the next root tokens are its last accepted tokens.
     """
-    tree = propose_tree(draft, root_hidden, root_tokens, shape, given)
+    calibrated = calibration is not None and given is not None and shape.given > 0 and shape.tree_tokens > 1
+    tree = propose_tree(draft, root_hidden, root_tokens, shape, given,
+                        calibration.log_factors() if calibrated else None)
     logits, h0 = verify(target, tree, past_lengths, shape.kv_len)
     if sampling is None:
         accepted = accept_greedy(logits, tree, shape.path_width)
@@ -401,4 +508,7 @@ def decode_step(target: DeviceTargetFn, draft: DeviceDraftFn | None, keys: torch
         accepted = accept_sampled(logits, tree, sampling, shape.path_width)
     commit(keys, values, past_lengths, accepted.path)
     root_hidden.copy_(h0.gather(1, accepted.deepest[:, None, None].expand(-1, 1, h0.shape[-1]))[:, 0])
-    return emit(accepted, tree)
+    matched = matched_nodes(tree, accepted)
+    if calibrated:
+        calibration.observe(tree, matched, past_lengths > 0)
+    return emit(accepted, tree, heads_run(tree, accepted, matched))

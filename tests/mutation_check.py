@@ -66,6 +66,14 @@ MUTANTS = (
             Patch("clover/device_step.py", "    commit(keys, values, past_lengths, accepted.path)",
                   "    pass  # mutant: the step's K/V are not committed")),
            DECODE),
+    Mutant("device_calibration_frozen", "the device step scores suffix candidates by its calibration but never "
+                                        "updates it from acceptance",
+           (Patch("clover/device_step.py",
+                  "        self.predicted.copy_(torch.where(seen, self.decay * self.predicted + predicted, "
+                  "self.predicted))\n"
+                  "        self.accepted.copy_(torch.where(seen, self.decay * self.accepted + accepted, self.accepted))\n",
+                  "        pass  # mutant: the calibration is never updated\n"),),
+           DEVICE),
     Mutant("rope_base_doubled", "the RoPE base doubled in both the torch and the ONNX target: vanilla and "
                                 "speculative decoding share the bug, only an independent reference sees it",
            (Patch("clover/target.py", "self.config.head_dim, self.config.rope_theta,",

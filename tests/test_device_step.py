@@ -19,12 +19,15 @@ from clover.attention import InPlaceAttention, pack_mask, tree_attention
 from clover.backends.device import DeviceEngine, kv_bucket
 from clover.config import SamplingConfig, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
-from clover.device_step import (PADDING_SCORE, DeviceSampling, GivenCandidates, StepShape, accept_greedy,
-                                accept_sampled, given_arrays, propose_tree, root_tree, sample_rows,
-                                sampling_arrays, uniform_draws)
+from clover.adaptive import CostModel, SourceCalibration
+from clover.device_step import (GIVEN_ROWS, PADDING_SCORE, DeviceAccepted, DeviceCalibration, DeviceSampling,
+                                DeviceTree, GivenCandidates, StepShape, accept_greedy, accept_sampled,
+                                ancestor_masks, given_arrays, heads_run, matched_nodes, propose_tree, root_tree,
+                                sample_rows, sampling_arrays, uniform_draws)
 from clover.engine_contract import DraftResult
 from clover.kv_cache import KVCache
 from clover.suffix import SuffixProposal
+from clover.tree import SOURCE_HEADS, SOURCE_SUFFIX, SUFFIX_MATCH_ROWS, suffix_calibration_row
 from tests.conftest import make_drafter, make_target
 from tests.helpers import DeviceOracleEngine, hf_greedy, random_prompts
 
@@ -388,14 +391,31 @@ def test_given_candidates_join_the_tree_by_score_under_their_given_parents():
     assert tree.max_depth == 3
 
 
-def test_suffix_proposals_become_given_candidates_scored_below_their_parents():
+def test_suffix_proposals_become_given_candidates_with_raw_scores_and_their_calibration_row():
     proposal = SuffixProposal(tokens=np.array([7, 8, 9]), parents=np.array([-1, 0, 0]), depths=np.array([1, 2, 2]),
                               counts=np.array([4, 4, 1]), total=4, match_length=3)
     arrays = given_arrays([proposal, None], width=4)
+    assert arrays.shape == (GIVEN_ROWS, 2, 4)
     assert arrays[0, 0, :3].tolist() == [7, 8, 9] and arrays[1, 0, :3].tolist() == [0 - 1, 0, 0]
-    scores = arrays[3, 0]
-    assert scores[0] == pytest.approx(0.0, abs=1e-2) and scores[1] < scores[0] and scores[2] < scores[1]
+    assert arrays[3, 0, :3] == pytest.approx(np.log([1.0, 1.0, 0.25]))  # the raw shares: the tree calibrates
+    assert (arrays[4, 0] == suffix_calibration_row(3)).all() and (arrays[4, 1] == 1).all()
     assert (arrays[3, 1] == PADDING_SCORE).all() and (arrays[1, 1] == -1).all()  # no proposal: padding
+
+
+def test_a_child_always_scores_below_its_parent_even_where_its_depth_is_calibrated_higher():
+    """The given path 40 → 41 → 42 has raw shares 0.5, 0.5, 0.5; a calibration whose suffix factor grows with depth
+    (0.1 at depth 1, 1 at 2 and 3) would score the children above their parent, and a budget of 2 would then
+    take 41 and 42 without 40. The pool cuts each child below its parent, so the tree is the path's first two."""
+    given = GivenCandidates(tokens=torch.tensor([[40, 41, 42]]), parents=torch.tensor([[-1, 0, 1]]),
+                            depths=torch.tensor([[1, 2, 3]]), scores=torch.log(torch.tensor([[0.5, 0.5, 0.5]])),
+                            keys=torch.tensor([2]))
+    shape = StepShape(batch=1, budget=2, depth=0, top_k=1, width=1, kv_len=64, given=3, given_depth=3)
+    factors = torch.ones(1 + SUFFIX_MATCH_ROWS, 4)
+    factors[2, 1] = 0.1
+    tree = propose_tree(None, torch.zeros(1, 4), torch.tensor([5]), shape, given, torch.log(factors))
+    assert tree.tokens.tolist() == [[5, 40, 41]] and tree.parents.tolist() == [[-1, 0, 1]]
+    assert tree.rows.tolist() == [[0, 2, 2]]
+
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -474,13 +494,15 @@ def test_the_whole_step_traces_as_one_graph_and_a_host_read_would_break_it():
     shape = StepShape(batch=4, budget=8, depth=3, top_k=8, width=8, kv_len=128)
     sampled = StepShape(batch=4, budget=8, depth=3, top_k=8, width=8, kv_len=128, given=6, given_depth=4,
                         sampling=True)
-    for each in (shape, sampled):
+    merged = dataclasses.replace(sampled, sampling=False)  # greedy, the calibration scoring and learning
+    for each in (shape, sampled, merged):
         with torch.inference_mode():
             stepper._eager(each)  # allocates the candidates' buffers on first use, outside the trace
         torch._dynamo.reset()
         with torch.inference_mode():
             out = torch.compile(lambda: stepper._eager(each), backend="eager", fullgraph=True)()
-        assert out.shape == (4, each.path_width + 2)
+        assert out.shape == (4, each.path_width + 3)
+    assert not np.allclose(stepper.calibration_factors()[0], 1.0), "the traced steps did not update the calibration"
 
     inner = engine.device_draft
     engine.device_draft = lambda hidden, token, head: inner(hidden, token, head) if int(token.max()) >= 0 else None
@@ -528,3 +550,134 @@ def test_cuda_graph_steps_equal_generate_and_never_synchronise():
         stepper._run(shape)  # the step without its one device-to-host copy
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _host_tree(gen, size, max_depth):
+    """One sequence's merged tree as the host holds it: parents, depths, bits (1 heads, 2 suffix, 3 both), raw
+    ``[T, 2]``. The heads' nodes form a tree of their own (a heads' node's parent is the root or a heads' node)."""
+    parents, depths, bits = [-1], [0], [0]
+    raw = np.zeros((size, 2))
+    for node in range(1, size):
+        parent = int(gen.integers(0, node))
+        while depths[parent] > max_depth:  # one level past the calibration's last depth: it is clipped there
+            parent = parents[parent]
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+        bits.append(int(gen.choice([1, 2, 3])) if parent == 0 or bits[parent] & SOURCE_HEADS else SOURCE_SUFFIX)
+        raw[node] = gen.uniform(0.05, 1.0, 2) * [(bits[-1] >> column) & 1 for column in (0, 1)]
+    return np.array(parents), np.array(depths), np.array(bits, dtype=np.uint8), raw
+
+
+def _device_tree(host_trees, keys, width, padding_rows):
+    """The host's trees as the device step holds them: a node both sources proposed is two nodes (the heads' copy
+    keeps the children, the suffix's copy is appended); rows padded to ``width`` nodes; then ``padding_rows``
+    random rows that are not live. Tokens: 100 + host node (the copy shares its original's)."""
+    fields = {name: [] for name in ("tokens", "parents", "depths", "rows", "lograw")}
+    for (parents, depths, bits, raw), key in zip(host_trees, keys):
+        nodes = [(100 + n, parents[n], depths[n], 0 if bits[n] & SOURCE_HEADS else key,
+                  raw[n, 0] if bits[n] & SOURCE_HEADS else raw[n, 1]) for n in range(len(parents))]
+        nodes += [(100 + n, parents[n], depths[n], key, raw[n, 1]) for n in range(len(parents)) if bits[n] == 3]
+        nodes += [(0, 0, 0, 1, 0.0)] * (width - len(nodes))
+        for name, column in zip(fields, zip(*nodes)):
+            fields[name].append(list(column))
+    for _ in range(padding_rows):  # a batch's padding row: anything, never counted
+        for name, column in zip(fields, ([7] * width, [-1] + [0] * (width - 1), [0] + [1] * (width - 1),
+                                         [0] * width, [0.0] + [0.5] * (width - 1))):
+            fields[name].append(column)
+    parents = torch.tensor(fields["parents"])
+    parents[:, 0] = -1
+    lograw = torch.log(torch.tensor(fields["lograw"], dtype=torch.float32))
+    return DeviceTree(torch.tensor(fields["tokens"]), torch.tensor(fields["depths"]), parents,
+                      ancestor_masks(parents, width), width, torch.tensor(fields["rows"]), lograw.clamp(min=-1e9))
+
+
+def test_device_calibration_learns_as_the_hosts_source_calibration():
+    """The host's SourceCalibration is the reference: the same random merged trees, sources and accepted paths,
+    several steps, the same factors; each path both sources proposed counts for both, and the heads' accepted
+    run is what the host's proposer tells the budget chooser. A padding row (length 0) is never counted."""
+    gen = np.random.default_rng(0)
+    max_depth, batch, size = 3, 3, 12
+    host = SourceCalibration(max_depth)
+    device = DeviceCalibration.of(SourceCalibration(max_depth))
+    assert np.allclose(device.log_factors().exp().numpy(), host.factors())
+    for _ in range(6):
+        trees = [_host_tree(gen, size, max_depth) for _ in range(batch)]
+        keys = gen.integers(1, SUFFIX_MATCH_ROWS + 1, batch)
+        ends = [int(gen.integers(0, size)) for _ in range(batch)]  # each accepted path's deepest node
+        paths = []
+        for (parents, *_), end in zip(trees, ends):
+            path = [end]
+            while path[-1] > 0:
+                path.append(int(parents[path[-1]]))
+            paths.append(path[::-1])  # root first
+        on_path = np.zeros((batch, size), dtype=bool)
+        for b, path in enumerate(paths):
+            on_path[b, path[1:]] = True
+        host.observe(np.stack([t[1] for t in trees]), np.stack([t[2] for t in trees]),
+                     np.stack([t[3] for t in trees]), keys, on_path)
+
+        tree = _device_tree(trees, keys.tolist(), 2 * size, padding_rows=1)
+        width = max_depth + 3
+        accepted_tokens = torch.tensor([[100 + n for n in path[1:]] + [-5] * (width - len(path) + 1)
+                                        for path in paths] + [[7] * width])
+        accepted = DeviceAccepted(None, accepted_tokens, torch.tensor([len(p) for p in paths] + [3]), None)
+        matched = matched_nodes(tree, accepted)
+        device.observe(tree, matched, torch.tensor([True] * batch + [False]))
+        assert np.allclose((device.accepted / device.predicted).numpy(), host.factors(), rtol=1e-5)
+        by_heads = [(t[2] & SOURCE_HEADS).astype(bool) for t in trees]
+        host_runs = [next((j for j, node in enumerate(path[1:]) if not by_heads[b][node]), len(path) - 1)
+                     for b, path in enumerate(paths)]
+        assert heads_run(tree, accepted, matched)[:batch].tolist() == host_runs
+    assert not np.allclose(host.factors(), SourceCalibration(max_depth).factors())  # it moved off the priors
+
+
+@pytest.mark.parametrize("suffix_factor, expected", [(3.0, [5, 40, 41]), (0.05, [5, 0, 1])])
+def test_calibrated_scores_choose_between_the_heads_and_the_suffix(suffix_factor, expected):
+    """The heads propose tokens 0, 1 with raw probabilities 0.9, 0.8 at depth 1; the suffix the path 40 → 41 with
+    0.5, 0.5. Raw, the heads' pair wins a budget of 2. With the heads' row measured at 0.2 and the suffix row at 3
+    (its candidates accepted well above their raw shares), the suffix path wins; at 0.05 the heads keep it."""
+    table = [[np.log(0.9), np.log(0.8), np.log(0.01)]]
+    given = GivenCandidates(tokens=torch.tensor([[40, 41]]), parents=torch.tensor([[-1, 0]]),
+                            depths=torch.tensor([[1, 2]]), scores=torch.log(torch.tensor([[0.5, 0.5]])),
+                            keys=torch.tensor([3]))
+    shape = StepShape(batch=1, budget=2, depth=1, top_k=3, width=3, kv_len=64, given=2, given_depth=2)
+    raw = propose_tree(_table_draft(table), torch.zeros(1, 4), torch.tensor([5]), shape, given)
+    assert raw.tokens.tolist() == [[5, 0, 1]]
+    calibration = DeviceCalibration.of(SourceCalibration(2))
+    calibration.accepted[0] = 0.2 * calibration.predicted[0]
+    calibration.accepted[3] = suffix_factor * calibration.predicted[3]
+    tree = propose_tree(_table_draft(table), torch.zeros(1, 4), torch.tensor([5]), shape, given,
+                        calibration.log_factors())
+    assert tree.tokens.tolist() == [expected]
+
+
+def test_a_calibration_moved_off_its_priors_keeps_the_device_step_exact():
+    """Repetitive prompts, so the suffix proposes and is measured: the device calibration moves during the run
+    (and the run starts from a skewed one that lets the suffix's candidates crowd out the heads'), and the
+    tokens still equal transformers' generate(). The budget chooser learns, on steps with suffix candidates, the
+    heads' accepted run the step emits (below the accepted count where the suffix's nodes were accepted)."""
+    target = make_target(seed=3)
+    engine = DeviceEngine(target, make_drafter(target, num_heads=3, seed=13), max_seq_len=160)
+    prompts = [(p * 4)[:40] for p in random_prompts(3, 2, target.config.vocab_size, 5, 8)]
+    flat = CostModel(target=[[1, 0.010], [256, 0.0102]], draft=[[1, 0.0005], [256, 0.0006]])
+    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8, proposer="suffix"), max_batch_size=4,
+                                 cost_model=flat, step_timing=False)
+    stepper, chooser = decoder.device_stepper, decoder.adaptive
+    stepper.calibration.accepted[1:] *= 4.0  # the suffix's rows: candidates 4x likelier than their priors
+    start = stepper.calibration_factors().copy()
+    emitted, observed = [], []
+    inner_step, inner_observe = stepper.step, chooser.observe
+    stepper.step = lambda shape, *args: emitted.append((shape, inner_step(shape, *args))) or emitted[-1][1]
+    chooser.observe = lambda budget, accepted: observed.append(list(accepted)) or inner_observe(budget, accepted)
+    results = decoder.generate([GenerationRequest(p, max_new_tokens=48, stop_token_ids=()) for p in prompts])
+    assert [r.token_ids for r in results] == hf_greedy(target, prompts, 48)
+    moved = np.abs(stepper.calibration_factors() - start)
+    assert moved[1:].max() > 0.05 and moved[0].max() > 0.0  # both sources measured
+    assert len(observed) == len(emitted)
+    suffix_won = 0
+    for (shape, rows), heads in zip(emitted, observed):
+        counts = rows[:, shape.path_width]
+        assert heads == (rows[:, shape.path_width + 2] if shape.given else counts - 1).tolist()
+        assert all(0 <= h <= c - 1 for h, c in zip(heads, counts))
+        suffix_won += sum(h < c - 1 for h, c in zip(heads, counts))
+    assert suffix_won > 0, "no step accepted a suffix candidate past the heads' run"

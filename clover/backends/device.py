@@ -4,7 +4,7 @@
 :class:`DeviceEngine` is a :class:`~clover.backends.torch.TorchEngine` whose target writes its K/V into the static
 cache in place (engine contract v3) and whose decode step runs as :func:`clover.device_step.decode_step`: draft
 loop, tree, target pass, acceptance, KV commit and the next roots all stay on the device, and the host reads back
-one ``[B, A + 2]`` int64 tensor per step. On a GPU each step shape (batch bucket × budget × attended cache
+one ``[B, A + 3]`` int64 tensor per step. On a GPU each step shape (batch bucket × budget × attended cache
 positions) is captured once as a CUDA graph and replayed; other shapes run eagerly, said once in the log. On a CPU
 the same step runs eagerly: that is what the token-exactness tests run here.
 """
@@ -21,13 +21,14 @@ import time
 import numpy as np
 import torch
 
-from clover.adaptive import CostModel, monotone_fit
+from clover.adaptive import CostModel, SourceCalibration, monotone_fit
 from clover.attention import InPlaceAttention, unpack_mask
 from clover.backends.attention_choice import AttentionChoice, load_kernel, median_seconds
 from clover.backends.torch import TorchEngine
 from clover.config import ConfigError, TreeConfig
 from clover.demo import cache_root
-from clover.device_step import PADDING_SCORE, DeviceSampling, GivenCandidates, StepShape, decode_step, sample_rows
+from clover.device_step import (PADDING_SCORE, DeviceCalibration, DeviceSampling, GivenCandidates, StepShape,
+                                decode_step, sample_rows)
 from clover.engine_contract import DraftResult, TargetResult
 from clover.kv_cache import KVCache
 
@@ -123,18 +124,22 @@ class DeviceEngine(TorchEngine):
     def device_draft(self, hidden, token, head: int) -> DraftResult:
         return self.draft(hidden, token, head)
 
-    def device_stepper(self, cache: KVCache, max_batch_size: int, max_budget: int = 0) -> "DeviceStepper":
-        return DeviceStepper(self, cache, max_batch_size, max_budget)
+    def device_stepper(self, cache: KVCache, max_batch_size: int, max_budget: int = 0,
+                       max_depth: int | None = None) -> "DeviceStepper":
+        return DeviceStepper(self, cache, max_batch_size, max_budget, max_depth)
 
 
 class DeviceStepper:
     """Runs decode steps of a :class:`~clover.decode.SpeculativeDecoder`'s live rows on the device.
 
     Owns what the step keeps on the device besides the cache: each row's root state (h0 at its last accepted
-    position), and the step's input and output buffers, which CUDA graphs read and write.
+    position), the candidate sources' calibration (:class:`~clover.device_step.DeviceCalibration`, from the
+    priors of a :class:`~clover.adaptive.SourceCalibration` of ``max_depth`` levels, default the heads'; deeper
+    candidates use its last depth), and the step's input and output buffers, which CUDA graphs read and write.
     """
 
-    def __init__(self, engine: DeviceEngine, cache: KVCache, max_batch_size: int, max_budget: int = 0) -> None:
+    def __init__(self, engine: DeviceEngine, cache: KVCache, max_batch_size: int, max_budget: int = 0,
+                 max_depth: int | None = None) -> None:
         self.engine = engine
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch_size) + (max_batch_size,)
         self.budgets = tuple(sorted({0, max_budget, *(b for b in BUDGET_BUCKETS if b < max_budget)}))
@@ -149,6 +154,8 @@ class DeviceStepper:
         self._graphs: dict[tuple, tuple] = {}  # (shape, cache storage) -> (graph, output)
         self._pool = torch.cuda.graph_pool_handle() if engine.cuda_graphs else None  # one pool: graphs run in turn
         self._given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # candidates per row -> device buffers
+        depth = engine.spec.num_draft_heads if max_depth is None else max_depth
+        self.calibration = DeviceCalibration.of(SourceCalibration(max(depth, 1)), device)
         # per row: temperature, top-k, top-p; the seed's halves and tokens generated (device_step.sampling_arrays)
         self._settings = torch.zeros(3, cache.capacity, device=device)
         self._seeds = torch.zeros(3, cache.capacity, dtype=torch.int64, device=device)
@@ -162,6 +169,10 @@ class DeviceStepper:
     def load_root(self, row: int, hidden: torch.Tensor) -> None:
         """A row's root state after its prefill (the host has it then)."""
         self.root_hidden[row].copy_(hidden, non_blocking=True)
+
+    def calibration_factors(self) -> np.ndarray:
+        """The device calibration's factors ``[1 + SUFFIX_MATCH_ROWS, D + 1]`` on the host (a read: not in a step)."""
+        return (self.calibration.accepted / self.calibration.predicted).cpu().numpy()
 
     def root_of(self, row: int) -> torch.Tensor:
         """A row's root state on the host, for a step the host runs."""
@@ -282,12 +293,12 @@ class DeviceStepper:
         return DeviceSampling(settings[0], settings[1].to(torch.int64), settings[2], seeds[0], seeds[1], seeds[2])
 
     def _given_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device buffers of ``width`` given candidates per row: int64 ``[3, capacity, width]`` (tokens,
-        parents, depths) and float32 ``[capacity, width]`` (scores); padding where no row wrote."""
+        """The device buffers of ``width`` given candidates per row: int64 ``[4, capacity, width]`` (tokens,
+        parents, depths, keys) and float32 ``[capacity, width]`` (scores); padding where no row wrote."""
         if width not in self._given:
             device = self.root_tokens.device
-            ids = torch.zeros(3, self.cache.capacity, width, dtype=torch.int64, device=device)
-            ids[1] = -1
+            ids = torch.zeros(4, self.cache.capacity, width, dtype=torch.int64, device=device)
+            ids[1], ids[3] = -1, 1
             scores = torch.full((self.cache.capacity, width), PADDING_SCORE, device=device)
             self._given[width] = (ids, scores)
         return self._given[width]
@@ -295,10 +306,10 @@ class DeviceStepper:
     def _upload_given(self, width: int, given: np.ndarray) -> None:
         ids, scores = self._given_buffers(width)
         rows = given.shape[1]
-        ids[:, :rows].copy_(torch.from_numpy(given[:3].astype(np.int64)), non_blocking=True)
+        ids[:, :rows].copy_(torch.from_numpy(given[[0, 1, 2, 4]].astype(np.int64)), non_blocking=True)
         scores[:rows].copy_(torch.from_numpy(given[3].astype(np.float32)), non_blocking=True)
         ids[:, rows:] = 0  # padding rows: no candidates
-        ids[1, rows:] = -1
+        ids[1, rows:], ids[3, rows:] = -1, 1
         scores[rows:] = PADDING_SCORE
 
     def _run(self, shape: StepShape) -> torch.Tensor:
@@ -330,19 +341,21 @@ class DeviceStepper:
         given = None
         if shape.given:
             ids, scores = self._given_buffers(shape.given)
-            given = GivenCandidates(ids[0, :batch], ids[1, :batch], ids[2, :batch], scores[:batch])
+            given = GivenCandidates(ids[0, :batch], ids[1, :batch], ids[2, :batch], scores[:batch], ids[3, :batch, 0])
         sampling = self._device_sampling(batch) if shape.sampling else None
         return decode_step(target, draft, keys[:, :batch], values[:, :batch], self.lengths[:batch],
-                           self.root_tokens[:batch], self.root_hidden[:batch], shape, given, sampling)
+                           self.root_tokens[:batch], self.root_hidden[:batch], shape, given, sampling,
+                           self.calibration)
 
     def _capture(self, shape: StepShape):
         """A CUDA graph of the step (torch.cuda.graphs: warm up on a side stream, then capture). The warm-up
         runs are real steps on the live inputs: they write K/V only past each row's length, which no later step
-        reads before writing, and the root states, which are restored after them."""
+        reads before writing, and the root states and the calibration, which are restored after them."""
         started = time.perf_counter()
         if shape.given:  # made outside the capture: a graph must not replay their initial values
             self._given_buffers(shape.given)
         saved_roots = self.root_hidden.clone()
+        saved_calibration = self.calibration.predicted.clone(), self.calibration.accepted.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -353,6 +366,8 @@ class DeviceStepper:
         with torch.cuda.graph(graph, pool=self._pool):
             output = self._eager(shape)
         self.root_hidden.copy_(saved_roots)
+        self.calibration.predicted.copy_(saved_calibration[0])
+        self.calibration.accepted.copy_(saved_calibration[1])
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - started
         logger.debug("captured a CUDA graph for %s in %.2f s", shape, time.perf_counter() - started)
