@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from clover.config import ConfigError, JsonMixin
+from clover.stats import StepOutcome
 
 DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 VANILLA_PROBE_AFTER = 4  # speculative steps of a batch size before its one timed vanilla step
@@ -338,6 +339,13 @@ class AdaptiveBudget:
         step = self.cost.step_time(batch, budget, self.acceptance.expected(budget), self.depth, self.top_k)
         others = step - self.cost.pass_time(batch, 1 + budget)  # drafting, Clover-2's draft prefill
         return np.array([others + self.cost.pass_time(batch, 1 + k) for k in range(max_nodes + 1)])
+
+    def observe_step(self, step: StepOutcome, seconds: float) -> None:
+        """A decode step, observed: the heads' acceptance at the budget it ran (:meth:`observe`) and, with
+        ``step_timing``, what it took (:meth:`observe_time`)."""
+        self.observe(step.budget, step.heads_accepted)
+        if self.step_timing:
+            self.observe_time(len(step.tokens), step.budget, seconds, step.mean_tokens, tree_tokens=step.tree_tokens)
 
     def observe(self, budget: int, accepted_per_sequence: Sequence[int]) -> None:
         """One step's accepted draft tokens per sequence at ``budget``."""

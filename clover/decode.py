@@ -24,7 +24,7 @@ import numpy as np
 
 from clover.adaptive import AdaptiveBudget, CostModel
 from clover.attention import causal_packed_mask
-from clover.stats import tokens_per_step
+from clover.stats import StepOutcome, tokens_per_step
 from clover.text import StopFinder, answer_text
 from clover.config import ConfigError, SamplingConfig, TreeConfig, new_tokens_range
 from clover.device_step import given_arrays, sampling_arrays
@@ -97,13 +97,11 @@ class SequenceStats:
     depth_tried: list[int] = dataclasses.field(default_factory=list)
     depth_accepted: list[int] = dataclasses.field(default_factory=list)
 
-    def record(self, tree_size: int, depth_reached: int, accepted: Accepted) -> tuple[int, int]:
-        """Count one decode step of a ``tree_size``-node tree reaching depth ``depth_reached``; returns its
-        (draft tokens proposed, draft tokens accepted)."""
+    def record(self, tree_size: int, depth_reached: int, accepted_depth: int) -> None:
+        """Count one decode step of a ``tree_size``-node tree reaching depth ``depth_reached`` that accepted
+        ``accepted_depth`` draft tokens."""
         self.num_steps += 1
-        drafted = tree_size - 1
-        self.num_draft_tokens += drafted
-        accepted_depth = len(accepted.path) - 1
+        self.num_draft_tokens += tree_size - 1
         self.accepted_per_step.append(accepted_depth)
         for d in range(depth_reached):
             if d == len(self.depth_tried):
@@ -111,7 +109,6 @@ class SequenceStats:
                 self.depth_accepted.append(0)
             self.depth_tried[d] += 1
             self.depth_accepted[d] += d < accepted_depth
-        return drafted, accepted_depth
 
     @property
     def acceptance_per_depth(self) -> list[float]:
@@ -496,11 +493,26 @@ class SpeculativeDecoder:
         tree = self.tree
         if self.adaptive is not None:  # this step's heads' budget, from the live batch size (0: no draft steps)
             tree = dataclasses.replace(tree, budget=self.adaptive.choose(len(seqs)))
-        if self.device_stepper is not None:
-            device_events = self._device_decode_step(seqs, tree, started)
-            if device_events is not None:
-                return events + device_events
-            self._roots_to_host(seqs)
+        step = self._device_decode_step(seqs, tree) if self.device_stepper is not None else None
+        if step is None:
+            if self.device_stepper is not None:
+                self._roots_to_host(seqs)
+            step = self._host_decode_step(seqs, tree)
+        for seq, tokens, size in zip(seqs, step.tokens, step.tree_sizes):
+            events.append(self._event(seq, seq.emit(tokens), (size - 1, len(tokens) - 1)))
+        self._observe(seqs, step, time.perf_counter() - started)
+        self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
+        return events
+
+    def _observe(self, seqs: list[_Sequence], step: StepOutcome, seconds: float) -> None:
+        """What observes a step learns from its outcome: each sequence's statistics, and the adaptive budget."""
+        for seq, size, depth, tokens in zip(seqs, step.tree_sizes, step.depths, step.tokens):
+            seq.stats.record(size, depth, len(tokens) - 1)
+        if self.adaptive is not None:
+            self.adaptive.observe_step(step, seconds)
+
+    def _host_decode_step(self, seqs: list[_Sequence], tree: TreeConfig) -> StepOutcome:
+        """propose → verify → accept → commit on the host loop (any engine); each row's next root."""
         batch = self.proposer.propose(seqs, tree)
         past = self.cache.lengths_array.copy()  # int32 [n]; NumPy: docs/trees.md#host-work-per-step
         k_cache, v_cache = self.cache.views()
@@ -508,36 +520,25 @@ class SpeculativeDecoder:
                                     torch.from_numpy(past), batch.packed_mask, k_cache, v_cache)
         accepted = self._accept(seqs, result.logits, batch)
         heads_accepted = self.proposer.observe(batch, accepted)
-        if self.adaptive is not None:
-            self.adaptive.observe(tree.budget, heads_accepted)
-
         width = max(len(a.path) for a in accepted)
         source = cpu_tensor([a.path + [0] * (width - len(a.path)) for a in accepted])
         self.cache.commit(result.present_keys, result.present_values, source,
                           cpu_tensor([len(a.path) for a in accepted]))
         # the next roots' states: h0 at each deepest accepted node, one gather for the batch [n, H]
-        # (clover2 takes them from its draft_prefill below instead)
-        root_from_h0 = self._heads and self.draft_cache is None
-        if root_from_h0:
+        # (clover2's proposer sets them from its draft_prefill in stepped() instead)
+        if self._heads and self.draft_cache is None:
             root_hidden = take_rows(result.h0.flatten(0, 1), [i * result.h0.shape[1] + a.path[-1]
                                                               for i, a in enumerate(accepted)])
-        sizes, depths = batch.tree_sizes().tolist(), as_numpy(batch.position_offsets).max(1).tolist()
-        root_rows = root_hidden.unbind(0) if root_from_h0 else ()  # one op for all rows, not one per row
-        for i, (seq, acc) in enumerate(zip(seqs, accepted)):
-            step_counts = seq.stats.record(sizes[i], depths[i], acc)
+            for seq, root in zip(seqs, root_hidden.unbind(0)):  # one op for all rows, not one per row
+                seq.root_hidden = root
+        for seq, acc in zip(seqs, accepted):
             seq.root_token = acc.tokens[-1]
-            if root_from_h0:
-                seq.root_hidden = root_rows[i]
-            events.append(self._event(seq, seq.emit(acc.tokens), step_counts))
         self.proposer.stepped(seqs, result.h0, accepted)
-        if self.adaptive is not None and self.adaptive.step_timing:  # what this budget really costs here
-            self.adaptive.observe_time(len(seqs), tree.budget, time.perf_counter() - started,
-                                       sum(len(a.path) for a in accepted) / len(accepted),
-                                       tree_tokens=batch.input_ids.shape[1])  # every row runs at the widest tree
-        self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
-        return events
+        return StepOutcome(tree.budget, batch.input_ids.shape[1], batch.tree_sizes().tolist(),
+                           as_numpy(batch.position_offsets).max(1).tolist(), [a.tokens for a in accepted],
+                           heads_accepted)  # tree_tokens: every row runs at the widest tree
 
-    def _device_decode_step(self, seqs: list[_Sequence], tree: TreeConfig, started: float) -> list[StepEvent] | None:
+    def _device_decode_step(self, seqs: list[_Sequence], tree: TreeConfig) -> StepOutcome | None:
         """One step on the device for every live sequence (docs/gpu-engine.md); None where it cannot run there
         (no batch bucket holds the batch)."""
         sampling = self._sampling_rows(seqs)  # None: greedy acceptance, else tree speculative sampling
@@ -555,23 +556,16 @@ class SpeculativeDecoder:
         rows = self.device_stepper.step(shape, [s.root_token for s in seqs],
                                         given_arrays(proposals, given) if shape.given else None, sampling)
         width = shape.path_width
-        counts, depths = rows[:, width].tolist(), rows[:, width + 1].tolist()
+        counts = rows[:, width].tolist()
         self.cache.advance(counts)
-        events = []
-        for seq, row, count, depth_reached in zip(seqs, rows.tolist(), counts, depths):
-            tokens = row[:count]
-            step_counts = seq.stats.record(shape.tree_tokens, depth_reached, Accepted(list(range(count)), tokens))
-            seq.root_token = tokens[-1]
-            events.append(self._event(seq, seq.emit(tokens), step_counts))
-        if self.adaptive is not None:  # the budget the step ran (the stepper rounds to its graphs' budgets)
-            # with suffix candidates in the trees the chooser learns from the heads' accepted run alone
-            heads_accepted = rows[:, width + 2].tolist() if shape.given else [count - 1 for count in counts]
-            self.adaptive.observe(shape.budget, heads_accepted)
-            if self.adaptive.step_timing:
-                self.adaptive.observe_time(len(seqs), shape.budget, time.perf_counter() - started,
-                                           sum(counts) / len(counts), tree_tokens=shape.tree_tokens)
-        self._remove([i for i, s in enumerate(seqs) if s.finish_reason])
-        return events
+        tokens = [row[:count] for row, count in zip(rows.tolist(), counts)]
+        for seq, row_tokens in zip(seqs, tokens):
+            seq.root_token = row_tokens[-1]
+        # with suffix candidates in the trees the chooser learns from the heads' accepted run alone
+        heads_accepted = rows[:, width + 2].tolist() if shape.given else [count - 1 for count in counts]
+        # the budget the step ran: the stepper rounds to its graphs' budgets
+        return StepOutcome(shape.budget, shape.tree_tokens, [shape.tree_tokens] * len(seqs),
+                           rows[:, width + 1].tolist(), tokens, heads_accepted)
 
     def _roots_to_host(self, seqs: list[_Sequence]) -> None:
         """Root states the device stepper holds, back on the host for a step the host runs."""
