@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from clover.config import PROPOSERS, ConfigError, SamplingConfig, TreeConfig, sampling_range_error
+from clover.config import (CHECKPOINT_DTYPES, PROPOSERS, ConfigError, SamplingConfig, TreeConfig,
+                           sampling_range_error)
 from clover.proposers import DEFAULT_METHOD, METHOD_CHOICES, METHODS, method_traits
 from clover.speed_report import report_lines
 
@@ -94,6 +95,9 @@ def add_generate_parser(subparsers) -> None:
                    help="where the torch path runs: auto (a CUDA GPU when torch sees one, else the CPU), cpu (the "
                         "fp32 reference engine) or cuda (the device engine in bf16, its steps replayed from CUDA "
                         "graphs: docs/gpu-engine.md); built engines run where they were built for")
+    p.add_argument("--dtype", choices=CHECKPOINT_DTYPES, default="auto",
+                   help="the torch path's weights: auto (bf16 on a GPU, fp32 on the CPU), fp32 (token-exact with "
+                        "the fp32 reference) or bf16 (docs/gpu-engine.md#precision)")
     p.add_argument("--temperature", type=_sampling("temperature"), default=0.0,
                    help="0 is greedy; up to 2 samples (tree speculative sampling)")
     p.add_argument("--top-k", type=_sampling("top_k", int), default=0,
@@ -153,7 +157,7 @@ def _load_generate_engine(args):
 
     args.method = args.method or DEFAULT_METHOD
     engine = load_checkpoint_engine(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir,
-                                    device=args.device)
+                                    device=args.device, dtype=args.dtype)
     on_device = getattr(engine, "device_stepper", None) is not None  # it times its own steps (docs/gpu-engine.md)
     if args.adaptive is not False and method_traits(args.method).drafts and not on_device:
         print("[clover] timing the torch engine's steps for the adaptive tree budget (seconds)", file=sys.stderr)
@@ -339,6 +343,9 @@ def add_serve_parser(subparsers) -> None:
                         "with the engine's cost model; default: whenever the engine has one (clover build "
                         "calibrates by default); --no-adaptive keeps --tree-budget fixed")
     p.add_argument("--threads", type=int, default=0, help="engine CPU threads (0: the backend's default)")
+    p.add_argument("--dtype", choices=CHECKPOINT_DTYPES, default="auto",
+                   help="with --backend torch, the weights' precision: auto (bf16 on a GPU, fp32 on a CPU), fp32 "
+                        "(token-exact with the fp32 reference) or bf16; a built engine has its own")
     p.add_argument("--host", default="127.0.0.1",
                    help="address the endpoints bind to (0.0.0.0: every interface, reachable from other machines)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
@@ -372,8 +379,12 @@ def cmd_serve(args) -> int:
         from clover.serving.launch import ensure_demo_engine
 
         args.engine = ensure_demo_engine(args.engine)
+    if args.dtype != "auto" and args.backend != "torch":
+        raise ConfigError("--dtype sets the torch backend's weights; add --backend torch (a built engine has its own "
+                          "precision)")
     return serve(args.engine, backend=args.backend, method=args.method, max_batch=args.max_batch,
-                 tree_budget=args.tree_budget, adaptive=args.adaptive, proposer=args.proposer, threads=args.threads, host=args.host, http_port=args.http_port,
+                 tree_budget=args.tree_budget, adaptive=args.adaptive, proposer=args.proposer, threads=args.threads,
+                 dtype=args.dtype, host=args.host, http_port=args.http_port,
                  grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_repository=args.model_repository,
                  startup_timeout_s=args.startup_timeout, log_file=args.log_file, openai_port=args.openai_port,
                  drain_s=args.drain_timeout)

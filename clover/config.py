@@ -345,6 +345,10 @@ class TreeConfig(JsonMixin):
         return self.proposer == "suffix" or (self.proposer is None and self.static_choices is None)
 
 
+# the torch backend's weights on a checkpoint (clover.backends.load_checkpoint_engine): auto is bf16 on a GPU, fp32 on
+# a CPU; fp32 is token-exact with the reference (docs/gpu-engine.md#precision)
+CHECKPOINT_DTYPES = ("auto", "fp32", "bf16")
+
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 # The sampling ranges of every interface: clover generate, clover client, the Triton model and the OpenAI endpoint

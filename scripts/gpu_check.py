@@ -17,6 +17,9 @@ process with its own time budget (a CUDA error or a hang in one step cannot take
                       demo model or MT-bench is not installed.
   gpu_engine_compile  the vanilla step and the verify pass at batch 1 at the 8B shape, from CUDA graphs, before
                       and after torch.compile of the decoder layers, and the compile's time.
+  gpu_serve           Clover's Triton model on the torch backend (the device engine, fp32) through the tritonserver of
+                      the nvidia-pytriton wheel: 8 concurrent requests, half streamed, each equal to its solo
+                      answer and to transformers generate(). Skipped where no tritonserver is found.
   kernel_build        JIT-build the TreeAttention CUDA kernel (trt_plugins/torch_ext) for this GPU.
   kernel_correctness  the kernel against the reference op clover.attention.tree_attention: fixed edge
                       cases and random shapes (B 1-16, T 1-64 so one or two mask words, mixed past lengths
@@ -80,6 +83,8 @@ STEPS = (
     Step("gpu_engine_demo", "the demo model on the device engine: MT-bench speed, bf16 agreement", 150, 200, 60),
     Step("gpu_engine_compile", "the device engine's layers compiled: batch-1 step and verify, compile time", 120, 200,
          60),
+    Step("gpu_serve", "the device engine served through tritonserver: concurrent answers == solo == generate()", 150,
+         200, 60),
     Step("lossless_decode", "speculative decoding on the device == transformers generate()", 120, 150, 30),
     Step("decode_timings", "target pass and draft step at the Llama-3-8B shape, bf16", 150, 120, 60),
     Step("train_step", "one online-feature training step at that shape (training/experiments/cost_probe.py)",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from scripts import gpu_check_engine, gpu_check_report as report
+from scripts import gpu_check_engine, gpu_check_serve, gpu_check_report as report
 from scripts.gpu_check_attention import attention_variants, gpu_checks_module, kernel_attention, use_attention
 
 REPO = Path(__file__).resolve().parents[1]
@@ -470,7 +470,7 @@ def distributed_step(ctx: Context) -> dict:
 
 # the device engine's steps live in scripts/gpu_check_engine.py (which imports this module's helpers lazily)
 STEP_FUNCTIONS = {"gpu_engine": gpu_check_engine.gpu_engine, "gpu_engine_demo": gpu_check_engine.gpu_engine_demo,
-                  "gpu_engine_compile": gpu_check_engine.gpu_engine_compile,
+                  "gpu_engine_compile": gpu_check_engine.gpu_engine_compile, "gpu_serve": gpu_check_serve.gpu_serve,
                   "kernel_build": kernel_build, "kernel_correctness": kernel_correctness,
                   "lossless_decode": lossless_decode, "decode_timings": decode_timings, "train_step": train_step,
                   "distributed_step": distributed_step}

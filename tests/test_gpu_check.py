@@ -15,7 +15,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STEPS = ["kernel_build", "kernel_correctness", "gpu_engine", "gpu_engine_demo", "gpu_engine_compile", "lossless_decode", "decode_timings", "train_step", "distributed_step"]
+STEPS = ["kernel_build", "kernel_correctness", "gpu_engine", "gpu_engine_demo", "gpu_engine_compile", "gpu_serve",
+         "lossless_decode", "decode_timings", "train_step", "distributed_step"]
 CUDA_ONLY = ["kernel_build", "kernel_correctness"]
 MIB = 1 << 20
 
@@ -75,6 +76,8 @@ def test_dry_run_measures_what_the_gpu_run_measures(dry_run):
     assert engine["slow_path"][1:] == [None, None, "SDPA (no kernel)"]  # the kernel needs CUDA
     assert [r[1] for r in engine["steps"]] == ["vanilla", "Clover, 3 heads, budget 8"] * 2
     assert {r[0] for r in steps["gpu_engine_demo"]["data"]["speed"]} == {1, 8}
+    serve = steps["gpu_serve"]["data"]  # through tritonserver, as tests/test_serving.py (which CI runs) needs too
+    assert len(serve["rows"]) == 8 and not serve["errors"] and all(r[1] and r[2] and r[3] > 0 for r in serve["rows"])
     assert [r[0] for r in steps["gpu_engine_compile"]["data"]["rows"]] == ["vanilla step", "verify, 1 token",
                                                                          "verify, 16 tokens"]
     worker = steps["distributed_step"]["data"]

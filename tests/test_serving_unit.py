@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from clover.config import ConfigError
 from clover.decode import GenerationRequest, SpeculativeDecoder
@@ -847,3 +848,27 @@ def test_serve_and_client_help(capsys):
         text = capsys.readouterr().out
         for option in options:
             assert option in text
+
+
+@pytest.mark.parametrize("dtype, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("auto", torch.float32)])
+def test_the_torch_backend_serves_a_checkpoint_in_the_dtype_asked(tmp_path, dtype, expected):
+    """Model parameter ``dtype`` (clover serve --dtype): the torch backend's weights; auto is fp32 on this CPU."""
+    from clover.serving.triton_model import CloverTritonModel
+    from tests.conftest import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "checkpoint")
+    model = CloverTritonModel(FakePbUtils, _args(checkpoint, backend="torch", dtype=dtype))
+    try:
+        assert model.loaded.engine.spec.dtype == expected
+        assert next(model.loaded.engine.target_step.parameters()).dtype == expected
+    finally:
+        model.finalize()
+
+
+def test_dtype_is_refused_for_a_built_engine_and_an_unknown_one(tiny_engine_dir, tmp_path):
+    from clover.serving.served_engine import load_serving_engine
+
+    with pytest.raises(ConfigError, match="dtype='bf16' is for backend torch"):
+        load_serving_engine(tiny_engine_dir, dtype="bf16")
+    with pytest.raises(ConfigError, match="dtype 'fp16': choose auto, fp32, bf16"):
+        load_serving_engine("demo", backend="torch", dtype="fp16")

@@ -77,12 +77,13 @@ class _SigtermAsInterrupt:
 
 def serve(engine: str | Path | None = None, *, backend: str = "auto", method: str = "auto", max_batch: int = 0,
           tree_budget: int | None = None, adaptive: bool | None = None, proposer: str = "auto", threads: int = 0,
-          host: str = "127.0.0.1",
+          dtype: str = "auto", host: str = "127.0.0.1",
           http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
           model_repository: str | Path | None = None, startup_timeout_s: float = 600.0,
           log_file: str | Path | None = None, out: TextIO = sys.stdout, openai_port: int | None = None,
           drain_s: float = 10.0) -> int:
-    """Serve until Ctrl-C (or SIGTERM); returns the exit code: 0 after a clean shutdown, else 1.
+    """Serve until Ctrl-C (or SIGTERM); returns the exit code: 0 after a clean shutdown, else 1. ``dtype``: the
+    torch backend's weights (model parameter ``dtype``).
     ``openai_port``: also run the OpenAI-compatible frontend (its own process) there. ``drain_s``: at
     shutdown, seconds in-flight requests may still run before they are cancelled. ``log_file``: where
     tritonserver's and the frontend's output go; None: a new file in the temp directory (named on ``out``),
@@ -99,7 +100,7 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
         else:
             engine_dir = resolve_serve_engine(engine, backend)
             params = {"engine_dir": str(engine_dir), "backend": backend, "method": method,
-                      "max_batch": str(max_batch), "threads": str(threads), "proposer": proposer}
+                      "max_batch": str(max_batch), "threads": str(threads), "proposer": proposer, "dtype": dtype}
             if tree_budget is not None:
                 params["tree_budget"] = str(tree_budget)
             if adaptive is not None:  # None: the model's default (adaptive where the engine has a cost model)

@@ -91,6 +91,8 @@ PARAMETERS = {
                          "the number of live sequences with that cost model, 0 (a vanilla step) where speculation "
                          "does not pay (refused at load without one); false: the fixed tree_budget every step"),
     "threads": ("0", "CPU threads of the engine (0: the backend's default)"),
+    "dtype": ("auto", "backend torch only: the weights' precision, auto (bf16 on a GPU, fp32 on a CPU), fp32 "
+                      "(token-exact with the fp32 reference) or bf16"),
     "apply_chat_template": ("true", "default of the apply_chat_template input"),
     # stop strings are matched on the shared decode thread: these bound one request's share of it
     "max_stop_words": ("64", "stop_words strings one request may send at most"),

@@ -42,22 +42,25 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 
 def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: str = "auto",
                         max_batch: int = 0, tree_budget: int | None = None, threads: int = 0,
-                        adaptive: bool | None = None, proposer: str = "auto") -> LoadedEngine:
+                        adaptive: bool | None = None, proposer: str = "auto", dtype: str = "auto") -> LoadedEngine:
     """Engine, tokenizer and decode settings for serving. Raises ConfigError naming the problem.
 
     ``engine_dir`` is a built engine directory, or with ``backend="torch"`` a checkpoint directory (or
     ``demo``). ``adaptive`` as :class:`~clover.config.TreeConfig` reads it: None picks each step's budget (up to
     ``tree_budget``) from the engine's cost model where it has one; True requires one, so an engine without
     one is refused here rather than at the first request; False keeps a fixed budget. ``proposer``: ``auto`` (the
-    engine's tree defaults), ``suffix`` or ``none`` (docs/trees.md#model-free-candidates)."""
+    engine's tree defaults), ``suffix`` or ``none`` (docs/trees.md#model-free-candidates). ``dtype``: the
+    torch backend's weights (:func:`clover.backends.load_checkpoint_engine`); a built engine has its own."""
     if method not in METHODS:
         raise ConfigError(f"model parameter method={method!r}: choose {', '.join(METHODS)}")
     if backend not in BACKENDS:
         raise ConfigError(f"model parameter backend={backend!r}: choose {', '.join(BACKENDS)}")
     if proposer not in ("auto", *PROPOSERS):
         raise ConfigError(f"model parameter proposer={proposer!r}: choose auto, {', '.join(PROPOSERS)}")
+    if dtype != "auto" and backend != "torch":
+        raise ConfigError(f"model parameter dtype={dtype!r} is for backend torch; a built engine has its own precision")
     if backend == "torch":
-        loaded = _load_torch(Path(engine_dir), method)
+        loaded = _load_torch(Path(engine_dir), method, dtype)
     else:
         loaded = _load_built(Path(engine_dir), backend, threads or None)
     method = resolve_method(method, loaded.engine.spec.default_method)
@@ -77,13 +80,13 @@ def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: s
     return dataclasses.replace(loaded, method=method, tree=tree, max_batch=max_batch)
 
 
-def _load_torch(checkpoint_dir: Path, method: str) -> LoadedEngine:
+def _load_torch(checkpoint_dir: Path, method: str, dtype: str = "auto") -> LoadedEngine:
     from clover.backends import load_checkpoint_engine
     from clover.target import load_tokenizer
 
     chosen = resolve_method(method, DEFAULT_METHOD)
     # on a GPU the device engine (docs/gpu-engine.md), on a CPU the torch reference
-    engine = load_checkpoint_engine(str(checkpoint_dir), None, chosen, max_seq_len=2048)
+    engine = load_checkpoint_engine(str(checkpoint_dir), None, chosen, max_seq_len=2048, dtype=dtype)
     tree = getattr(engine, "tree_defaults", TreeConfig())  # the device engine's on a GPU: bigger trees
     return LoadedEngine(engine, load_tokenizer(engine.checkpoint_dir), chosen, tree, TORCH_MAX_BATCH,
                         f"torch engine on {checkpoint_dir}")

@@ -78,7 +78,7 @@ class CloverTritonModel:
             loaded = load_serving_engine(engine_dir, params["backend"] or "auto", params["method"] or "auto",
                                          _int_param(params, "max_batch", 0), _int_param(params, "tree_budget", None),
                                          _int_param(params, "threads", 0), _auto_bool_param(params, "adaptive"),
-                                         params["proposer"] or "auto")
+                                         params["proposer"] or "auto", params["dtype"] or "auto")
         except ConfigError as exc:
             raise ConfigError(f"model {self.name}: cannot load the engine (parameter engine_dir={engine_dir}): "
                               f"{exc}") from None
