@@ -238,7 +238,7 @@ def test_the_checkouts_build_script_and_python_m_clover_export_run_the_same_buil
     script = [sys.executable, str(checkout / "export" / "build_engine.py")]
     for command, usage in ((script, "python export/build_engine.py"),
                            ([sys.executable, "-m", "clover.export"], "python -m clover.export")):
-        # from elsewhere: the script finds its checkout's package by itself
+        # from elsewhere: the script runs the installed package (this checkout, installed editable)
         cwd = tmp_path if command[1].endswith(".py") else checkout
         done = subprocess.run([*command, "--target", str(tmp_path / "none"), "--output", str(tmp_path / "engine")],
                               cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

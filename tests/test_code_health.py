@@ -315,9 +315,7 @@ def test_no_private_names_used_across_modules():
     assert not found, "private names used across modules (make them public or move them):\n" + "\n".join(found)
 
 
-# The one sys.path edit outside tests: the checkout's old build entry point finds its own package from anywhere
-# (tests/test_cli.py runs it from another folder, where another clover may be installed).
-SYS_PATH_EXEMPT = ("export/build_engine.py",)
+SYS_PATH_EXEMPT: tuple[str, ...] = ()  # none: every module outside tests/ imports the installed package
 SYS_PATH_METHODS = ("insert", "append", "extend", "remove", "pop", "clear")
 
 
