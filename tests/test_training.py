@@ -1158,3 +1158,22 @@ def test_every_train_option_has_help(capsys):
     bare = [block.split()[0] for block in blocks if not re.search(r"\S {2,}\S|\n\s+\S", block.strip())]
     assert not bare, f"train.py options without help: {bare}"
     assert len(blocks) >= 50  # all of them were read
+
+
+def test_depth_probe_records_every_step_and_finds_the_verifier_right():
+    """training/experiments/depth_probe.py keeps each step's tree through the proposer protocol: one record per
+    decode step, and the longest matching tree path is what the decoder accepted (greedy verification)."""
+    from clover.backends.torch import TorchEngine
+    from clover.config import TreeConfig
+    from clover.decode import GenerationRequest, SpeculativeDecoder
+    from tests.conftest import make_drafter, make_target
+    from training.experiments import depth_probe
+
+    target = make_target(seed=1)
+    engine = TorchEngine(target, make_drafter(target, num_heads=3, seed=2))
+    decoder = SpeculativeDecoder(engine, "clover", TreeConfig(budget=8, adaptive=False, proposer="none"))
+    steps = depth_probe.record_trees(decoder)
+    result = decoder.generate([GenerationRequest([5, 9, 14, 2, 7], max_new_tokens=20, stop_token_ids=())])[0]
+    assert len(steps) == result.stats.num_steps > 0
+    analysis = depth_probe.analyse(steps, list(result.token_ids), 3)
+    assert analysis["verifier_mismatches"] == 0 and analysis["accepted"] == sum(result.stats.accepted_per_step)

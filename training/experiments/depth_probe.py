@@ -5,8 +5,9 @@
 
 Greedy decoding, one sequence at a time, fixed tree (``TreeConfig(budget, depth,
 adaptive=False)``) on MT-bench first turns. For every decode step it keeps the
-tree the drafter built and checks it against the greedy output (the target's own
-tokens, so they are what verification must accept):
+tree the drafter built (the heads alone: no suffix candidates) and checks it
+against the greedy output (the target's own tokens, so they are what
+verification must accept):
 
 * ``accepted``: draft tokens the decoder accepted;
 * ``best``: the longest tree path that matches the output: what a correct
@@ -30,18 +31,19 @@ import sys
 from pathlib import Path
 
 
-def record_trees(decoder_module):
-    """Wrap ``SequenceStats.record`` to keep every (tree, accepted depth); returns the list and an undo."""
-    original = decoder_module.SequenceStats.record
-    steps: list[tuple] = []
+def record_trees(decoder) -> list[tuple]:
+    """Every decode step's (tree tokens, parents, depths, accepted depth) of ``decoder``'s one sequence, kept as
+    its proposer observes the step (the :class:`clover.proposers.Proposer` protocol's ``observe``)."""
+    proposer, steps = decoder.proposer, []
+    observe = proposer.observe
 
-    def record(self, tree, accepted):
-        result = original(self, tree, accepted)
-        steps.append((list(tree.tokens), list(tree.parents), list(tree.depths), len(accepted.path) - 1))
-        return result
+    def observed(batch, accepted):
+        tree = batch.trees()[0]
+        steps.append((list(tree.tokens), list(tree.parents), list(tree.depths), len(accepted[0].path) - 1))
+        return observe(batch, accepted)
 
-    decoder_module.SequenceStats.record = record
-    return steps, lambda: setattr(decoder_module.SequenceStats, "record", original)
+    proposer.observe = observed
+    return steps
 
 
 def best_path(tokens: list[int], parents: list[int], output: list[int], root_at: int) -> int:
@@ -88,14 +90,11 @@ def probe(engine, tokenizer, records: list[dict], depths: list[int], budget: int
                   "depth_accepted": [0] * depth, "depth_correct_in_tree": [0] * depth}
         examples, sequences = [], []
         for record in records:
-            decoder = decode_module.SpeculativeDecoder(engine, engine.spec.default_method, tokenizer=tokenizer,
-                                                       tree=TreeConfig(budget=budget, depth=depth, adaptive=False))
-            steps, undo = record_trees(decode_module)
-            try:
-                result = decoder.generate([decode_module.GenerationRequest(prompt_ids_of(record, tokenizer),
-                                                                           max_new_tokens=max_new_tokens)])[0]
-            finally:
-                undo()
+            tree = TreeConfig(budget=budget, depth=depth, adaptive=False, proposer="none")  # the heads alone
+            decoder = decode_module.SpeculativeDecoder(engine, engine.spec.default_method, tree, tokenizer)
+            steps = record_trees(decoder)
+            result = decoder.generate([decode_module.GenerationRequest(prompt_ids_of(record, tokenizer),
+                                                                       max_new_tokens=max_new_tokens)])[0]
             one = analyse(steps, list(result.token_ids), depth)
             sequences.append((prompt_ids_of(record, tokenizer), list(result.token_ids)))
             for key in pooled:
