@@ -20,14 +20,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-import numpy as np
 
 from clover.adaptive import AdaptiveBudget, CostModel
 from clover.attention import causal_packed_mask
 from clover.stats import StepOutcome, tokens_per_step
 from clover.text import StopFinder, answer_text
 from clover.config import ConfigError, SamplingConfig, TreeConfig, new_tokens_range
-from clover.device_step import given_arrays, sampling_arrays
+from clover.device_loop import DeviceLoop
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
 from clover.host_ops import as_numpy, cpu_tensor, take_rows
@@ -239,15 +238,16 @@ class SpeculativeDecoder:
                              device=spec.device)
         # model-free candidates, calibrated against the heads' per depth (docs/trees.md#model-free-candidates)
         self.suffix_on = suffix_candidates_on(method, self.tree)
-        # an engine that runs whole steps on the device (docs/gpu-engine.md): greedy steps of heads' trees, the
-        # suffix proposer's candidates merged in, or vanilla
-        self.device_stepper = self._device_stepper(engine, method)
+        # an engine that runs whole steps on the device (docs/gpu-engine.md): heads' trees, the suffix proposer's
+        # candidates merged in, or vanilla
+        self.device_loop = DeviceLoop.create(engine, method, self.tree, self.cache, max_batch_size, self.suffix_on)
         self._ids = itertools.count()
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # index == cache row
         self._cancelled: set[int] = set()
-        self.adaptive = self._adaptive_budget(cost_model or getattr(engine, "cost_model", None)
-                                              or self._device_cost_model(), step_timing)
+        device_costs = self.device_loop.cost_model(self.tree) if self.device_loop is not None else None
+        self.adaptive = self._adaptive_budget(cost_model or getattr(engine, "cost_model", None) or device_costs,
+                                              step_timing)
         self._heads = uses_heads(method)
         # what each step verifies; it prices suffix candidates with the adaptive chooser's cost model
         self.proposer: Proposer = make_proposer(method, self.tree, engine, self.adaptive)
@@ -277,40 +277,14 @@ class SpeculativeDecoder:
         return getattr(self.proposer, "calibration", None)
 
     @property
+    def device_stepper(self):
+        """The engine's :class:`~clover.backends.device.DeviceStepper` this decoder's steps run on, or None."""
+        return None if self.device_loop is None else self.device_loop.stepper
+
+    @property
     def shared_suffix(self):
         """The suffix index over earlier requests' outputs (``TreeConfig.shared_suffix_tokens``), or None."""
         return getattr(self.proposer, "shared_suffix", None)
-
-    def _device_stepper(self, engine: Engine, method: str):
-        """The engine's device stepper where it has one and the method's steps can run there (heads' dynamic
-        trees or vanilla; not suffix, not clover2's second cache, not static trees); else None."""
-        factory = getattr(engine, "device_stepper", None)  # a capability of the engine, not every backend's
-        if factory is None or not method_traits(method).runs_on_device_stepper or self.tree.static_choices is not None:
-            return None
-        stepper = factory(self.cache, self.max_batch_size, self.tree.budget if uses_heads(method) else 0,
-                          max_depth=max(self.tree.proposer_depth, engine.spec.num_draft_heads))  # the host's calibration
-        given, given_depth = self._device_given_shape()
-        stepper.capture_ahead(self._device_depth(), min(self.tree.top_k, engine.spec.draft_top_k), given, given_depth)
-        return stepper
-
-    def _device_cost_model(self) -> CostModel | None:
-        """Steps on a GPU timed at load for the adaptive budget, where the engine brought no cost model and the
-        tree may adapt (docs/gpu-engine.md#adaptive-budget); None elsewhere (on a CPU the step runs eagerly, and
-        the engine's own calibration prices it)."""
-        stepper = self.device_stepper
-        if stepper is None or not stepper.graphs or self.tree.adaptive is False or not uses_heads(self.method):
-            return None
-        return stepper.calibrate(self._device_depth(), min(self.tree.top_k, self.engine.spec.draft_top_k))
-
-    def _device_depth(self) -> int:
-        """Heads a device step drafts with (0 for vanilla)."""
-        heads = self.engine.spec.num_draft_heads
-        return min(self.tree.depth or heads, heads) if uses_heads(self.method) else 0
-
-    def _device_given_shape(self) -> tuple[int, int]:
-        """(suffix candidates per row, their deepest level) of a device step with suffix proposals: what
-        :meth:`clover.proposers.SuffixProposer.suffix_proposals` offers."""
-        return (2 * self.tree.budget, self.tree.proposer_depth) if self.suffix_on else (0, 0)
 
     def _adaptive_budget(self, cost_model: CostModel | None, step_timing: bool) -> AdaptiveBudget | None:
         """The per-step budget chooser, or None for a fixed budget (``tree.adaptive`` False, vanilla, a static
@@ -416,8 +390,8 @@ class SpeculativeDecoder:
             self.proposer.finished(self._running[row])
         if rows:
             order = self.cache.remove_rows(rows)
-            if self.device_stepper is not None:  # its root states are per row too
-                self.device_stepper.reorder(order)
+            if self.device_loop is not None:  # its root states are per row too
+                self.device_loop.reorder(order)
             self.proposer.rows_removed(rows)  # clover2's draft cache: the same compaction
             self._running = [self._running[i] for i in order]
 
@@ -442,8 +416,8 @@ class SpeculativeDecoder:
         position_ids = torch.arange(width).expand(batch, -1).contiguous()
         new_rows = self.cache.add_rows(batch)
         rows = slice(new_rows.start, new_rows.stop)
-        if self.device_stepper is not None:  # on the device: only the first tokens come back
-            first = self.device_stepper.prefill(rows, input_ids, lengths, self._sampling_rows(seqs))
+        if self.device_loop is not None:  # on the device: only the first tokens come back
+            first = self.device_loop.prefill(rows, input_ids, lengths, seqs)
             result, roots, presents = None, [None] * batch, (None, None)  # the K/V are in the cache already
         else:
             k_cache, v_cache = self.cache.views(rows)
@@ -466,15 +440,6 @@ class SpeculativeDecoder:
         self._remove([new_rows.start + i for i, s in enumerate(seqs) if s.finish_reason])
         return events
 
-    @staticmethod
-    def _sampling_rows(seqs: list[_Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
-        """The sequences' sampling settings, seeds and output lengths for a step on the device
-        (:func:`clover.device_step.sampling_arrays`); None when every sequence decodes greedily."""
-        settings = [s.request.sampling for s in seqs]
-        if all(setting.greedy for setting in settings):
-            return None
-        return sampling_arrays(settings, [s.request.seed for s in seqs], [len(s.generated) for s in seqs])
-
     def _decode_step(self) -> list[StepEvent]:
         seqs = self._running
         # a sequence whose next tree could overflow the cache ends here
@@ -493,10 +458,10 @@ class SpeculativeDecoder:
         tree = self.tree
         if self.adaptive is not None:  # this step's heads' budget, from the live batch size (0: no draft steps)
             tree = dataclasses.replace(tree, budget=self.adaptive.choose(len(seqs)))
-        step = self._device_decode_step(seqs, tree) if self.device_stepper is not None else None
+        step = self.device_loop.step(seqs, tree, self.proposer) if self.device_loop is not None else None
         if step is None:
-            if self.device_stepper is not None:
-                self._roots_to_host(seqs)
+            if self.device_loop is not None:  # no batch bucket holds the batch: this step runs on the host
+                self.device_loop.roots_to_host(seqs)
             step = self._host_decode_step(seqs, tree)
         for seq, tokens, size in zip(seqs, step.tokens, step.tree_sizes):
             events.append(self._event(seq, seq.emit(tokens), (size - 1, len(tokens) - 1)))
@@ -537,41 +502,6 @@ class SpeculativeDecoder:
         return StepOutcome(tree.budget, batch.input_ids.shape[1], batch.tree_sizes().tolist(),
                            as_numpy(batch.position_offsets).max(1).tolist(), [a.tokens for a in accepted],
                            heads_accepted)  # tree_tokens: every row runs at the widest tree
-
-    def _device_decode_step(self, seqs: list[_Sequence], tree: TreeConfig) -> StepOutcome | None:
-        """One step on the device for every live sequence (docs/gpu-engine.md); None where it cannot run there
-        (no batch bucket holds the batch)."""
-        sampling = self._sampling_rows(seqs)  # None: greedy acceptance, else tree speculative sampling
-        proposals = self.proposer.suffix_proposals(seqs, tree.proposer_depth) if self.suffix_on else []
-        given, given_depth = self._device_given_shape() if any(len(p.tokens) for p in proposals) else (0, 0)
-        shape = self.device_stepper.shape(len(seqs), tree.budget if self._heads else 0, self._device_depth(),
-                                          min(self.tree.top_k, self.engine.spec.draft_top_k), given, given_depth,
-                                          sampling is not None)
-        if shape is None:
-            return None
-        for row, seq in enumerate(seqs):  # a root state the host holds (after a prefill or a host step)
-            if seq.root_hidden is not None:
-                self.device_stepper.load_root(row, seq.root_hidden)
-                seq.root_hidden = None
-        rows = self.device_stepper.step(shape, [s.root_token for s in seqs],
-                                        given_arrays(proposals, given) if shape.given else None, sampling)
-        width = shape.path_width
-        counts = rows[:, width].tolist()
-        self.cache.advance(counts)
-        tokens = [row[:count] for row, count in zip(rows.tolist(), counts)]
-        for seq, row_tokens in zip(seqs, tokens):
-            seq.root_token = row_tokens[-1]
-        # with suffix candidates in the trees the chooser learns from the heads' accepted run alone
-        heads_accepted = rows[:, width + 2].tolist() if shape.given else [count - 1 for count in counts]
-        # the budget the step ran: the stepper rounds to its graphs' budgets
-        return StepOutcome(shape.budget, shape.tree_tokens, [shape.tree_tokens] * len(seqs),
-                           rows[:, width + 1].tolist(), tokens, heads_accepted)
-
-    def _roots_to_host(self, seqs: list[_Sequence]) -> None:
-        """Root states the device stepper holds, back on the host for a step the host runs."""
-        for row, seq in enumerate(seqs):
-            if seq.root_hidden is None:
-                seq.root_hidden = self.device_stepper.root_of(row)
 
     @staticmethod
     def _accept(seqs: list[_Sequence], logits: torch.Tensor, batch: TreeBatch) -> list[Accepted]:
