@@ -326,7 +326,8 @@ def add_serve_parser(subparsers) -> None:
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--engine", type=Path, help="engine directory from clover build "
-                   "(default: $CLOVER_ENGINE_DIR, else engines/demo in $CLOVER_HOME: the checkout, or "
+                   "(default: $CLOVER_ENGINE_DIR, else on a machine with a CUDA GPU the demo checkpoint on the "
+                   "device engine (--backend torch), else engines/demo in $CLOVER_HOME: the checkout, or "
                    "~/.cache/clover for an installed package)")
     p.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "torch"], default="auto",
                    help="engine backend; auto takes the one engine.json names")
@@ -370,6 +371,27 @@ def add_serve_parser(subparsers) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _serve_on_gpu_by_default(args, cuda: bool | None = None) -> None:
+    """``clover serve`` with neither an engine (nor ``$CLOVER_ENGINE_DIR``) nor a backend named, where torch sees a
+    CUDA GPU: the demo checkpoint on the device engine (docs/gpu-engine.md#serving), not the demo's CPU engine.
+    ``cuda``: whether a GPU is here (None: ask torch)."""
+    import os
+
+    from clover.demo import ENGINE_ENV
+
+    named = args.engine is not None or os.environ.get(ENGINE_ENV) or args.model_repository is not None
+    if named or args.backend != "auto" or args.demo:
+        return
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if cuda:
+        print("[clover] a CUDA GPU is here: serving the demo checkpoint on the device engine (--backend torch); "
+              "pass --engine DIR to serve a built engine", file=sys.stderr)
+        args.engine, args.backend = Path("demo"), "torch"
+
+
 def cmd_serve(args) -> int:
     from clover.serving.launch import run_demo, serve
 
@@ -379,6 +401,7 @@ def cmd_serve(args) -> int:
         from clover.serving.launch import ensure_demo_engine
 
         args.engine = ensure_demo_engine(args.engine)
+    _serve_on_gpu_by_default(args)
     if args.dtype != "auto" and args.backend != "torch":
         raise ConfigError("--dtype sets the torch backend's weights; add --backend torch (a built engine has its own "
                           "precision)")
@@ -526,7 +549,7 @@ def _version() -> str:
         return __version__
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clover", description="Clover: lossless regressive speculative decoding")
     parser.add_argument("--version", action="version", version=f"clover {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -534,6 +557,11 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_parser(subparsers)
     add_client_parser(subparsers)
     add_build_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "build":
         args.build_args = rest

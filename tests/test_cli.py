@@ -290,3 +290,25 @@ def test_serve_refuses_dtype_without_the_torch_backend(capsys):
 
     assert main(["serve", "--dtype", "fp32", "--engine", "engines/demo"]) == 2
     assert "--dtype sets the torch backend's weights; add --backend torch" in capsys.readouterr().err
+
+
+def test_serve_without_an_engine_takes_the_device_engine_on_a_gpu_only(capsys, monkeypatch):
+    from clover.cli import _serve_on_gpu_by_default, build_parser
+
+    monkeypatch.delenv("CLOVER_ENGINE_DIR", raising=False)
+
+    def parsed(*argv):
+        return build_parser().parse_args(["serve", *argv])
+
+    on_gpu = parsed()
+    _serve_on_gpu_by_default(on_gpu, cuda=True)
+    assert (str(on_gpu.engine), on_gpu.backend) == ("demo", "torch") and "device engine" in capsys.readouterr().err
+    for args, cuda in ((parsed(), False), (parsed("--engine", "engines/demo"), True),
+                       (parsed("--backend", "onnxruntime"), True), (parsed("--demo"), True)):
+        before = (args.engine, args.backend)
+        _serve_on_gpu_by_default(args, cuda=cuda)
+        assert (args.engine, args.backend) == before
+    monkeypatch.setenv("CLOVER_ENGINE_DIR", "engines/mine")  # an engine named in the environment is kept
+    named = parsed()
+    _serve_on_gpu_by_default(named, cuda=True)
+    assert (named.engine, named.backend) == (None, "auto")
