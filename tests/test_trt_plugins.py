@@ -398,7 +398,8 @@ def test_plugin_through_ipluginv3_interfaces(kernel_object, tmp_path):
         "namespace nvinfer1 { class IPluginRegistry; }\n"
         'extern "C" nvinfer1::IPluginRegistry* getPluginRegistry() noexcept { return nullptr; }\n'
     )
-    common = ["-std=c++17", f"-I{PLUGIN_DIR}", f"-I{KERNEL_DIR}", "-isystem", str(include), "-isystem", str(cuda_home / "include")]
+    common = ["-std=c++17", f"-I{PLUGIN_DIR}", f"-I{KERNEL_DIR}", "-isystem", str(include),
+              "-isystem", str(cuda_home / "include")]
     steps = [
         [cxx, "-shared", "-fPIC", str(stub), "-o", str(tmp_path / "libnvinfer.so")],
         [cxx, *common, "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror",
