@@ -1,7 +1,7 @@
 """TreeAttention reference op and the packed-mask format (docs/engine-contract.md#treeattention and #packed-mask).
 
 This module is the single definition of the tree-attention semantics. The ONNX
-export, the CUDA kernel in ``trt_plugins/`` and every test compare against
+export, the CUDA kernel in ``clover/kernels/`` and every test compare against
 :func:`tree_attention`.
 
 Packed mask (TensorRT-LLM's ``spec_decoding_packed_mask``): int32 ``[B, T, W]``

@@ -21,7 +21,7 @@ process with its own time budget (a CUDA error or a hang in one step cannot take
   gpu_serve           Clover's Triton model on the torch backend (the device engine, fp32) through the tritonserver of
                       the nvidia-pytriton wheel: 8 concurrent requests, half streamed, each equal to its solo
                       answer and to transformers generate(). Skipped where no tritonserver is found.
-  kernel_build        JIT-build the TreeAttention CUDA kernel (trt_plugins/torch_ext) for this GPU.
+  kernel_build        JIT-build the TreeAttention CUDA kernel (clover/kernels) for this GPU.
   kernel_correctness  the kernel against the reference op clover.attention.tree_attention: fixed edge
                       cases and random shapes (B 1-16, T 1-64 so one or two mask words, mixed past lengths
                       in a batch, GQA, D 64/128) in fp32, fp16 and bf16, with per-dtype tolerances; plus

@@ -2,7 +2,7 @@
 :func:`clover.attention.tree_attention` (docs/engine-contract.md#treeattention):
 
 - ``reference``: that op itself (fp32 scores over cache + tree; what the torch backend runs);
-- ``kernel``: the TreeAttention CUDA kernel (trt_plugins/torch_ext), what the TensorRT plugin launches;
+- ``kernel``: the TreeAttention CUDA kernel (clover/kernels), what the TensorRT plugin launches;
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask over the
   cache and the tree, the plain-torch way to attend over a tree.
 
@@ -46,7 +46,7 @@ def use_attention(attend):
 
 
 def kernel_attention(ext):
-    """The kernel as a drop-in for the reference op (``ext``: trt_plugins.torch_ext.load_extension())."""
+    """The kernel as a drop-in for the reference op (``ext``: clover.kernels.load_extension())."""
 
     def attend(q, k, v, k_cache, v_cache, past_lengths, packed_mask, scale=None):
         tensors = (t.contiguous() for t in (q, k, v, k_cache, v_cache, past_lengths, packed_mask))

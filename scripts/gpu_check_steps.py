@@ -94,7 +94,7 @@ class _OffByTolerance:
 
 
 def load_kernel(ctx: Context):
-    from trt_plugins.torch_ext import load_extension
+    from clover.kernels.tree_attention import load_extension
 
     ext = load_extension(verbose=True, build_directory=str(ctx.build_dir))
     return _OffByTolerance(ext) if ctx.fault == "kernel" else ext
@@ -114,7 +114,7 @@ def kernel_build(ctx: Context) -> dict:
 
     if cpp_extension.CUDA_HOME is None:
         return report.outcome("error", "nvcc not found (no CUDA_HOME, no nvcc on PATH): the kernel is JIT-built "
-                                       "with nvcc (trt_plugins/torch_ext)")
+                                       "with nvcc (clover/kernels)")
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     start = time.monotonic()
     load_kernel(ctx)

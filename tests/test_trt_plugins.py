@@ -1,7 +1,7 @@
-"""trt_plugins/: the CUDA TreeAttention kernel, its tiling model and the plugin loader.
+"""The CUDA TreeAttention kernel (clover/kernels/), its tiling model and the plugin loader (trt_plugins/).
 
 All CPU. What runs here:
-- nvcc compiles tree_attention_kernel.cu for sm_80 and sm_90 (skipped without nvcc);
+- nvcc compiles clover/kernels/tree_attention_kernel.cu for sm_80 and sm_90 (skipped without nvcc);
   the kernels' shared memory fits the 48 KB static limit;
 - the kernel library's host decisions (validation, split count, workspace size)
   equal the tiling model's, for many shapes (the compiled code runs on the CPU);
@@ -36,8 +36,9 @@ from trt_plugins.loader import BUILD_HINT, ENV_VAR, PluginLibraryNotFoundError, 
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "trt_plugins"
-KERNEL_CU = PLUGIN_DIR / "tree_attention_kernel.cu"
-KERNEL_H = PLUGIN_DIR / "tree_attention_kernel.h"
+KERNEL_DIR = REPO / "clover" / "kernels"  # the kernel's one copy: the package's torch op and the plugin build from it
+KERNEL_CU = KERNEL_DIR / "tree_attention_kernel.cu"
+KERNEL_H = KERNEL_DIR / "tree_attention_kernel.h"
 NVCC = shutil.which("nvcc")
 # The flags torch.utils.cpp_extension adds: the kernel must build under them too.
 TORCH_EXT_FLAGS = [
@@ -95,7 +96,7 @@ def host_params_dump(kernel_object):
         pytest.fail("kernel did not compile: " + proc.stderr[-2000:])
     exe = out_dir / "host_params_dump"
     link = subprocess.run(
-        [NVCC, "-std=c++17", f"-I{PLUGIN_DIR}", str(PLUGIN_DIR / "tests" / "host_params_dump.cpp"), str(obj),
+        [NVCC, "-std=c++17", f"-I{KERNEL_DIR}", str(PLUGIN_DIR / "tests" / "host_params_dump.cpp"), str(obj),
          "-o", str(exe)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -397,7 +398,8 @@ def test_plugin_through_ipluginv3_interfaces(kernel_object, tmp_path):
         "namespace nvinfer1 { class IPluginRegistry; }\n"
         'extern "C" nvinfer1::IPluginRegistry* getPluginRegistry() noexcept { return nullptr; }\n'
     )
-    common = ["-std=c++17", f"-I{PLUGIN_DIR}", "-isystem", str(include), "-isystem", str(cuda_home / "include")]
+    common = ["-std=c++17", f"-I{PLUGIN_DIR}", f"-I{KERNEL_DIR}", "-isystem", str(include),
+              "-isystem", str(cuda_home / "include")]
     steps = [
         [cxx, "-shared", "-fPIC", str(stub), "-o", str(tmp_path / "libnvinfer.so")],
         [cxx, *common, "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror",

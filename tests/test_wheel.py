@@ -34,8 +34,9 @@ WHEEL_SOURCES = ("pyproject.toml", "README.md", "clover", "trt_plugins")  # what
 # what a user needs without a checkout, beside the modules: the Triton template, the build's entry point, the
 # kernel sources the GPU path compiles, the shipped heads
 PACKAGE_DATA = ("clover/serving/triton_template/model.py", "clover/export/__main__.py",
-                "trt_plugins/tree_attention_kernel.cu", "trt_plugins/tree_attention_kernel.h",
-                "trt_plugins/torch_ext/tree_attention_ext.cpp",
+                "clover/kernels/tree_attention_kernel.cu", "clover/kernels/tree_attention_kernel.h",
+                "clover/kernels/tree_attention_ext.cpp", "trt_plugins/CMakeLists.txt",
+                "trt_plugins/tree_attention_plugin.cpp",
                 "clover/assets/smollm2-135m-instruct/clover/config.json")
 COMMAND_S = 600
 NEW_TOKENS = 8
@@ -104,8 +105,8 @@ def test_the_installed_package_runs_from_the_venv(installed):
     assert _run([bin_dir / "clover", "--version"], env, user).stdout.strip() == f"clover {version('clover-decoding')}"
     assert _run([bin_dir / "python", "-m", "clover.export", "--help"], env, user).stdout.startswith(
         "usage: python -m clover.export")
-    # the GPU path compiles the tree-attention kernel from these on first use (trt_plugins/torch_ext)
-    sources = _run([bin_dir / "python", "-c", "import trt_plugins.torch_ext as ext; print(*ext.SOURCES, sep='\\n')"],
+    # the GPU path compiles the tree-attention kernel from these on first use (clover/kernels)
+    sources = _run([bin_dir / "python", "-c", "import clover.kernels as ext; print(*ext.SOURCES, sep='\\n')"],
                    env, user).stdout.split()
     assert sources and all(Path(path).is_file() and Path(path).is_relative_to(purelib) for path in sources), sources
 

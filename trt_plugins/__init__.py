@@ -1,4 +1,4 @@
-"""Clover's TensorRT plugin sources (CUDA kernel, IPluginV3) and their Python helpers.
+"""Clover's TensorRT plugin (IPluginV3 around the CUDA kernel of clover/kernels/) and its Python helpers.
 
 Only :mod:`trt_plugins.loader` and :mod:`trt_plugins.tiling_model` are Python;
 neither imports TensorRT or needs a GPU.

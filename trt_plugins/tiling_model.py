@@ -1,6 +1,6 @@
 """CPU model of the CUDA TreeAttention kernel's tiling (NumPy, fp32).
 
-A line-by-line transcription of ``tree_attention_kernel.cu``: the same grid
+A line-by-line transcription of ``clover/kernels/tree_attention_kernel.cu``: the same grid
 (row tiles x key splits), the same per-block key ranges, tiles of 32 keys dealt
 round-robin to warps, one key per lane, the packed-mask word read per tile,
 the base-2 online softmax with rescaling, the merge of the warps of a block and
@@ -10,7 +10,7 @@ become index permutations. It exists so that tests can check the kernel's
 *structure* against :func:`clover.attention.tree_attention` without a GPU.
 
 The constants below must equal the ``constexpr int kName = value;`` lines of
-``tree_attention_kernel.h``; ``tests/test_trt_plugins.py`` parses the header
+``clover/kernels/tree_attention_kernel.h``; ``tests/test_trt_plugins.py`` parses the header
 and checks that they do.
 """
 

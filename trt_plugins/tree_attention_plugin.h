@@ -6,7 +6,7 @@
 // Output 0: [B,T,Hq,D], dtype of q. Attributes (plugin fields): num_q_heads,
 // num_kv_heads, head_dim (int32) and scale (float32, <= 0 or absent: 1/sqrt(D)).
 // The semantics are those of clover.attention.tree_attention; see OP_SPEC.md.
-// The maths is all in tree_attention_kernel.cu; this class only checks shapes,
+// The maths is all in clover/kernels/tree_attention_kernel.cu; this class only checks shapes,
 // types and formats and forwards to launchTreeAttention().
 #pragma once
 

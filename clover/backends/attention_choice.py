@@ -53,7 +53,7 @@ def load_kernel(mode: str, device: torch.device) -> KernelFn | None:
     if device.type != "cuda":
         raise ConfigError("attention=kernel needs a CUDA device (the kernel is CUDA code); use sdpa or auto")
     try:
-        from trt_plugins.torch_ext import load_extension  # import-guarded: builds with nvcc on first use
+        from clover.kernels.tree_attention import load_extension  # import-guarded: builds with nvcc on first use
 
         extension = load_extension()
     except Exception as exc:  # auto falls back; kernel was asked for by name

@@ -74,7 +74,7 @@ class DeviceEngine(TorchEngine):
     ``cuda_graphs``: capture steps as CUDA graphs (on a CUDA device only; default there). ``attention``: ``auto``
     (default: per step shape the faster of SDPA and the kernel, timed at load; SDPA on a CPU), ``sdpa``, or
     ``kernel``: the project's TreeAttention CUDA kernel as a torch op (built with nvcc on first use:
-    ``trt_plugins/torch_ext``; docs/gpu-engine.md#attention).
+    ``clover/kernels/``; docs/gpu-engine.md#attention).
     """
 
     writes_cache_in_place = True

@@ -3,7 +3,7 @@
 Run through ``bash trt_plugins/tests/run_gpu_checks.sh`` (or directly with
 ``python3 trt_plugins/tests/gpu_checks.py`` from anywhere). Steps:
 
-1. JIT-build the kernel as a PyTorch CUDA extension (``trt_plugins/torch_ext``).
+1. JIT-build the kernel as a PyTorch CUDA extension (``clover/kernels``).
 2. Correctness: compare with ``clover.attention.tree_attention`` on random shapes
    (B 1-16, T 1-64 so one or two mask words, mixed past lengths 0-4096 in a batch, GQA,
    fp32/fp16/bf16, head dim 64 and 128),
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from clover.attention import pack_mask, tree_attention  # noqa: E402
-from trt_plugins.torch_ext import load_extension  # noqa: E402
+from clover.kernels import load_extension  # noqa: E402
 
 # (atol, rtol) on the output in the I/O dtype. The reference also computes in fp32
 # and rounds once, so the outputs may differ by about one unit in the last place.

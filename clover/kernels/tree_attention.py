@@ -1,9 +1,10 @@
-"""PyTorch CUDA extension around the TreeAttention kernel (GPU tests only).
+"""The TreeAttention kernel's torch op: the GPU engine's attention (docs/gpu-engine.md#attention).
 
 ``load_extension()`` JIT-compiles ``tree_attention_ext.cpp`` together with
-``trt_plugins/tree_attention_kernel.cu`` via ``torch.utils.cpp_extension.load``
-(needs a CUDA build of torch and nvcc; without ninja, through setuptools instead);
-nothing is compiled at import time.
+``tree_attention_kernel.cu`` (both beside this file, shipped in the wheel) via
+``torch.utils.cpp_extension.load`` (needs a CUDA build of torch and nvcc; without
+ninja, through setuptools instead); nothing is compiled at import time. The
+TensorRT plugin in ``trt_plugins/`` wraps the same kernel sources.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-PLUGIN_DIR = HERE.parent
+KERNEL_DIR = Path(__file__).resolve().parent  # the sources and tree_attention_kernel.h
 EXTENSION_NAME = "clover_tree_attention_ext"
-SOURCES = [str(HERE / "tree_attention_ext.cpp"), str(PLUGIN_DIR / "tree_attention_kernel.cu")]
+SOURCES = [str(KERNEL_DIR / "tree_attention_ext.cpp"), str(KERNEL_DIR / "tree_attention_kernel.cu")]
 CXX_FLAGS = ["-O3", "-std=c++17"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
 
@@ -42,7 +42,7 @@ def load_extension(verbose: bool = False, build_directory: str | None = None):
     _extension = load(
         name=EXTENSION_NAME,
         sources=SOURCES,
-        extra_include_paths=[str(PLUGIN_DIR)],
+        extra_include_paths=[str(KERNEL_DIR)],
         extra_cflags=CXX_FLAGS,
         extra_cuda_cflags=NVCC_FLAGS,
         build_directory=build_directory,
@@ -60,7 +60,7 @@ def _build_with_setuptools(build_directory: str, verbose: bool):
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     os.makedirs(build_directory, exist_ok=True)
-    extension = CUDAExtension(EXTENSION_NAME, SOURCES, include_dirs=[str(PLUGIN_DIR)],
+    extension = CUDAExtension(EXTENSION_NAME, SOURCES, include_dirs=[str(KERNEL_DIR)],
                               extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS})
     setuptools.setup(name=EXTENSION_NAME, ext_modules=[extension],
                      cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},

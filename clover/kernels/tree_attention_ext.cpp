@@ -1,5 +1,6 @@
-// PyTorch binding of launchTreeAttention (trt_plugins/tree_attention_kernel.cu),
-// for GPU tests only. Built on the fly by trt_plugins/torch_ext/__init__.py with
+// PyTorch binding of launchTreeAttention (tree_attention_kernel.cu): the GPU
+// engine's attention op (clover/backends/attention_choice.py) and the GPU checks.
+// Built on the fly by clover/kernels/tree_attention.py with
 // torch.utils.cpp_extension.load; TensorRT is not involved.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,0 +1,12 @@
+"""CUDA kernels of the GPU engine, as torch ops built on first use.
+
+- ``tree_attention_kernel.h/.cu``: the TreeAttention kernel (no TensorRT; trt_plugins/OP_SPEC.md).
+  ``trt_plugins/`` builds its TensorRT plugin from these same sources.
+- ``tree_attention_ext.cpp``: its PyTorch binding; :mod:`clover.kernels.tree_attention` compiles it.
+
+Importing this package compiles nothing and needs neither torch's CUDA build nor nvcc.
+"""
+
+from clover.kernels.tree_attention import SOURCES, load_extension
+
+__all__ = ["SOURCES", "load_extension"]
