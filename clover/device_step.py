@@ -37,6 +37,7 @@ from clover.tree import SUFFIX_MATCH_ROWS, suffix_calibration_row
 # (a head's log-probability can be 0, and -inf would tie).
 _CHILD_PENALTY = 1e-3
 _MIN_LOGPROB = -1e4
+_ABSENT = float("-inf")  # the log raw probability of a source that did not propose a node
 
 DeviceDraftFn = Callable[[torch.Tensor, torch.Tensor, int], DraftResult]
 # (input_ids [B, T], position_ids [B, T], attention) -> (logits [B, T, V], h0 [B, T, H]); writes the cache
@@ -49,10 +50,11 @@ class DeviceTree:
 
     tokens, depths int64 ``[B, T]``; parents int64 ``[B, T]`` (-1 for the root); ancestors bool ``[B, T, T]``
     (a node's ancestors and itself). ``max_depth``: the deepest a node can be (static, for the path width).
-    Where the nodes came from (None for trees not built by :func:`propose_tree`): rows int64 ``[B, T]``, each
-    node's calibration row (0: the heads' or the root, 1..SUFFIX_MATCH_ROWS: a given candidate's key);
-    lograw float32 ``[B, T]``: the log of its source's raw probability (the heads' joint path probability, the
-    suffix's count ÷ total).
+    Where the nodes came from, as the host's :class:`clover.tree.CandidateSources` (None for trees not built by
+    :func:`propose_tree`): lograw float32 ``[B, T, 2]``, the log of each source's raw probability of the node
+    (column 0 the heads': the joint path probability; column 1 the given candidates': the suffix's count ÷
+    total; -inf where that source did not propose it; a path both proposed is one node with both); keys int64
+    ``[B]``: each row's calibration row of given candidates (1..SUFFIX_MATCH_ROWS).
     """
 
     tokens: torch.Tensor
@@ -60,8 +62,8 @@ class DeviceTree:
     parents: torch.Tensor
     ancestors: torch.Tensor
     max_depth: int
-    rows: torch.Tensor | None = None
     lograw: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -165,18 +167,20 @@ class DeviceCalibration:
 
     def observe(self, tree: DeviceTree, matched: torch.Tensor, live: torch.Tensor) -> None:
         """:meth:`clover.adaptive.SourceCalibration.observe`'s rule from one step's trees: each drafted node
-        (depth > 0, raw probability > 0) of a ``live`` row (bool ``[B]``) adds its raw probability to the predicted
-        cell of (its row, its depth) and, if ``matched`` (:func:`matched_nodes`), 1 to the accepted cell; only the
-        cells seen decay. A path both sources proposed is two nodes here, one per source, and both match when
-        the path is accepted: so it counts for both sources, as the host's one merged node does."""
+        (depth > 0) of a ``live`` row (bool ``[B]``) adds, for each source that proposed it, its raw probability
+        to the predicted cell of (that source's row, its depth) and, if ``matched`` (:func:`matched_nodes`), 1 to
+        the accepted cell; only the cells seen decay. A path both sources proposed counts for both."""
         rows, width = self.predicted.shape
-        raw = tree.lograw.exp()
-        counted = (tree.depths > 0) & (raw > 0) & live[:, None]
-        cells = (tree.rows.clamp(0, rows - 1) * width + tree.depths.clamp(0, width - 1)).flatten()
-        predicted = torch.zeros(rows * width, device=raw.device).index_add_(
-            0, cells, torch.where(counted, raw, 0.0).flatten()).view(rows, width)
-        accepted = torch.zeros(rows * width, device=raw.device).index_add_(
-            0, cells, (counted & matched).float().flatten()).view(rows, width)
+        depth = tree.depths.clamp(0, width - 1)
+        predicted = torch.zeros(rows * width, device=depth.device)
+        accepted = torch.zeros(rows * width, device=depth.device)
+        for column, source_row in enumerate((torch.zeros_like(tree.keys), tree.keys)):
+            raw = tree.lograw[..., column].exp()
+            counted = (tree.depths > 0) & (raw > 0) & live[:, None]
+            cells = (source_row.clamp(0, rows - 1)[:, None] * width + depth).flatten()
+            predicted.index_add_(0, cells, torch.where(counted, raw, 0.0).flatten())
+            accepted.index_add_(0, cells, (counted & matched).float().flatten())
+        predicted, accepted = predicted.view(rows, width), accepted.view(rows, width)
         seen = predicted > 0
         self.predicted.copy_(torch.where(seen, self.decay * self.predicted + predicted, self.predicted))
         self.accepted.copy_(torch.where(seen, self.decay * self.accepted + accepted, self.accepted))
@@ -205,10 +209,7 @@ def propose_tree(draft: DeviceDraftFn | None, root_hidden: torch.Tensor, root_to
     if draft is not None and shape.depth:
         _draft_levels(draft, root_hidden, root_tokens, shape, pool)
     if given is not None and shape.given:
-        first = pool.size
-        keys = (given.keys[:, None] if given.keys is not None else torch.ones_like(given.tokens[:, :1]))
-        pool.add(given.tokens, torch.where(given.parents < 0, 0, given.parents + first), given.scores, given.depths,
-                 keys.expand_as(given.tokens))
+        pool.add_given(given, shape.given_depth)
     return pool.best_tree(shape.budget, shape.max_depth, log_factors)
 
 
@@ -226,8 +227,7 @@ def _draft_levels(draft: DeviceDraftFn, root_hidden: torch.Tensor, root_tokens: 
         child_score = score.repeat_interleave(k, 1) + logprobs  # [B, F*k]: joint log-probabilities
         child_tokens = result.topk_ids[:, :k].reshape(batch, frontier * k)
         parents = index.repeat_interleave(k, 1)
-        first = pool.add(child_tokens, parents, child_score, torch.full_like(parents, head + 1),
-                         torch.zeros_like(parents))
+        first = pool.add(child_tokens, parents, child_score, torch.full_like(parents, head + 1))
         if head + 1 == shape.depth:
             break
         best = torch.topk(child_score, min(shape.width, frontier * k), dim=1).indices  # [B, W]
@@ -238,37 +238,80 @@ def _draft_levels(draft: DeviceDraftFn, root_hidden: torch.Tensor, root_tokens: 
 
 class _CandidatePool:
     """Every candidate of a step's levels, ``[B, P]`` per field; slot 0 is the root. ``lograw``: the log of each
-    candidate's raw probability; ``rows``: its calibration row (0: the heads')."""
+    source's raw probability of the candidate (``[B, P]`` per source: the heads', the given candidates'; -inf
+    where that source did not propose it); ``keys``: each row's calibration row of given candidates."""
 
     def __init__(self, root_tokens: torch.Tensor) -> None:
         batch, device = root_tokens.shape[0], root_tokens.device
         self.tokens = [root_tokens[:, None].to(torch.int64)]
         self.parents = [torch.full((batch, 1), -1, dtype=torch.int64, device=device)]
-        self.lograw = [torch.zeros(batch, 1, device=device)]
         self.depths = [torch.zeros(batch, 1, dtype=torch.int64, device=device)]
-        self.rows = [torch.zeros(batch, 1, dtype=torch.int64, device=device)]
+        self.lograw = [[torch.zeros(batch, 1, device=device)], [torch.full((batch, 1), _ABSENT, device=device)]]
+        self.keys = torch.ones(batch, dtype=torch.int64, device=device)
         self.size = 1
 
-    def add(self, tokens, parents, lograw, depths, rows) -> int:
-        """Append candidates ``[B, n]`` (parents: pool slots); returns the first one's slot."""
+    def add(self, tokens, parents, lograw, depths) -> int:
+        """Append the heads' candidates ``[B, n]`` (parents: pool slots); returns the first one's slot."""
         first = self.size
         self.tokens.append(tokens.to(torch.int64))
         self.parents.append(parents)
-        self.lograw.append(lograw.float())
         self.depths.append(depths)
-        self.rows.append(rows.to(torch.int64))
+        self.lograw[0].append(lograw.float())
+        self.lograw[1].append(torch.full_like(self.lograw[0][-1], _ABSENT))
         self.size += tokens.shape[1]
         return first
 
+    def add_given(self, given: GivenCandidates, given_depth: int) -> None:
+        """Append the given candidates, merging each into the heads' candidate of the same parent and token, as
+        the host merges them (:func:`clover.tree.draft_tree_batch`): that candidate takes the given score as its
+        second source's, the given's children hang under it, and the given's own slot becomes padding."""
+        heads_tokens, heads_parents = torch.cat(self.tokens, 1), torch.cat(self.parents, 1)
+        merged, parent_slots = self._merged_slots(given, heads_tokens, heads_parents, given_depth)
+        duplicate = merged > 0
+        given_scores = given.scores.float()
+        heads_given = torch.full_like(heads_tokens, _ABSENT, dtype=torch.float32).scatter_reduce(
+            1, merged, torch.where(duplicate, given_scores, _ABSENT), "amax")  # slot 0 gets only -inf
+        self.lograw[1] = [torch.maximum(torch.cat(self.lograw[1], 1), heads_given)]
+        self.lograw[0] = [torch.cat(self.lograw[0], 1)]
+        self.tokens = [heads_tokens, torch.where(duplicate, 0, given.tokens.to(torch.int64))]
+        self.parents = [heads_parents, torch.where(duplicate, 0, parent_slots)]
+        self.depths = [torch.cat(self.depths, 1), torch.where(duplicate, 0, given.depths)]
+        self.lograw[0].append(torch.full_like(given_scores, _ABSENT))
+        self.lograw[1].append(torch.where(duplicate, PADDING_SCORE, given_scores))
+        if given.keys is not None:
+            self.keys = given.keys.to(torch.int64)
+        self.size += given.tokens.shape[1]
+
+    def _merged_slots(self, given: GivenCandidates, heads_tokens: torch.Tensor, heads_parents: torch.Tensor,
+                      given_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``[B, S]`` each: the heads' slot each given candidate merges into (0: none), and the pool slot of
+        its parent (the merged one where its given parent merged). ``given_depth`` rounds, one level each: a
+        static count, as for :func:`ancestor_masks`."""
+        own = self.size + torch.arange(given.tokens.shape[1], device=given.tokens.device).expand_as(given.tokens)
+        is_root_child, valid = given.parents < 0, given.scores > PADDING_SCORE / 2
+        slots, merged, parent_slots = own, torch.zeros_like(own), torch.zeros_like(own)
+        for _ in range(max(given_depth, 1)):
+            parent_slots = torch.where(is_root_child, 0, slots.gather(1, given.parents.clamp(min=0)))
+            same = (heads_parents[:, None, :] == parent_slots[..., None]) & (
+                heads_tokens[:, None, :] == given.tokens[..., None].to(torch.int64))
+            same[..., 0] = False  # the root is nobody's duplicate
+            merged = torch.where(same.any(-1) & valid, same.to(torch.int8).argmax(-1), 0)
+            slots = torch.where(merged > 0, merged, own)
+        return merged, parent_slots
+
     def scores(self, max_depth: int, log_factors: torch.Tensor | None) -> torch.Tensor:
-        """float32 ``[B, P]``: each candidate's calibrated log-probability (its raw one times its row and depth's
-        factor), cut to ``_CHILD_PENALTY`` below its parent's: a child then always scores strictly below its parent,
-        so the best-N set holds each node's ancestors, whatever the factors (a later level's factor may be larger
-        than an earlier one's). One level per pass, ``max_depth`` passes: a static count."""
-        parents, scores, depths = torch.cat(self.parents, 1), torch.cat(self.lograw, 1), torch.cat(self.depths, 1)
+        """float32 ``[B, P]``: each candidate's calibrated log-probability (the larger of its sources' raw one
+        times that source's row and depth factor, as the host's merge), cut to ``_CHILD_PENALTY`` below its
+        parent's: a child then always scores strictly below its parent, so the best-N set holds each node's
+        ancestors, whatever the factors (a later level's factor may be larger than an earlier one's). One level
+        per pass, ``max_depth`` passes: a static count."""
+        parents, depths = torch.cat(self.parents, 1), torch.cat(self.depths, 1)
+        heads, given = torch.cat(self.lograw[0], 1), torch.cat(self.lograw[1], 1)
         if log_factors is not None:
-            cells = torch.cat(self.rows, 1) * log_factors.shape[1] + depths.clamp(0, log_factors.shape[1] - 1)
-            scores = scores + log_factors.flatten()[cells]
+            depth = depths.clamp(0, log_factors.shape[1] - 1)
+            heads = heads + log_factors[0][depth]
+            given = given + log_factors[self.keys[:, None], depth]
+        scores = torch.maximum(heads, given)
         has_parent = parents >= 0
         for _ in range(max_depth):
             below = scores.gather(1, parents.clamp(min=0)) - _CHILD_PENALTY
@@ -285,9 +328,9 @@ class _CandidatePool:
             slots.shape[1], device=slots.device).expand_as(slots).contiguous())
         parent_slots = parents.gather(1, slots)
         tree_parents = torch.where(parent_slots >= 0, node_of_slot.gather(1, parent_slots.clamp(min=0)), -1)
+        lograw = torch.stack([torch.cat(column, 1).gather(1, slots) for column in self.lograw], -1)
         return DeviceTree(tokens.gather(1, slots), depths.gather(1, slots), tree_parents,
-                          ancestor_masks(tree_parents, max_depth), max_depth, torch.cat(self.rows, 1).gather(1, slots),
-                          torch.cat(self.lograw, 1).gather(1, slots))
+                          ancestor_masks(tree_parents, max_depth), max_depth, lograw, self.keys)
 
 
 def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -458,9 +501,9 @@ def commit(keys: torch.Tensor, values: torch.Tensor, past_lengths: torch.Tensor,
 
 
 def matched_nodes(tree: DeviceTree, accepted: DeviceAccepted) -> torch.Tensor:
-    """bool ``[B, T]``: the nodes whose token path is a prefix of the accepted tokens (the root included). In a
-    tree where no two nodes share a token path these are the accepted path's nodes; a path proposed by both
-    sources is two nodes here, and both match (as the host's merged node is on its path)."""
+    """bool ``[B, T]``: the nodes whose token path is a prefix of the accepted tokens (the root and the depth-0
+    padding included). No two nodes of :func:`propose_tree`'s trees share a token path (a path both sources
+    proposed is one node), so the drafted ones are the accepted path's nodes."""
     width = accepted.tokens.shape[1]
     drafted = accepted.tokens.gather(1, (tree.depths - 1).clamp(0, width - 1))  # the accepted token at that depth
     token_ok = (tree.depths == 0) | ((tree.depths < accepted.counts[:, None]) & (tree.tokens == drafted))
@@ -471,9 +514,9 @@ def heads_run(tree: DeviceTree, accepted: DeviceAccepted, matched: torch.Tensor)
     """int64 ``[B]``: the accepted draft tokens that the heads proposed, the leading run of heads' nodes on the
     accepted path (what :meth:`clover.proposers.SuffixProposer.observe` returns): the heads' nodes form a tree
     of their own, one node per token path, so the matched ones are that run."""
-    if tree.rows is None:
+    if tree.lograw is None:
         return accepted.counts - 1
-    return (matched & (tree.rows == 0) & (tree.depths > 0)).sum(-1)
+    return (matched & (tree.lograw[..., 0] > _ABSENT) & (tree.depths > 0)).sum(-1)
 
 
 def emit(accepted: DeviceAccepted, tree: DeviceTree, heads_accepted: torch.Tensor | None = None) -> torch.Tensor:

@@ -74,6 +74,11 @@ MUTANTS = (
                   "        self.accepted.copy_(torch.where(seen, self.decay * self.accepted + accepted, self.accepted))\n",
                   "        pass  # mutant: the calibration is never updated\n"),),
            DEVICE),
+    Mutant("device_shared_path_twice", "the device tree keeps a path both the heads and the suffix propose as two "
+                                       "nodes, as the host does not",
+           (Patch("clover/device_step.py", "            same[..., 0] = False  # the root is nobody's duplicate\n",
+                  "            same[...] = False  # mutant: nothing merges\n"),),
+           DEVICE),
     Mutant("rope_base_doubled", "the RoPE base doubled in both the torch and the ONNX target: vanilla and "
                                 "speculative decoding share the bug, only an independent reference sees it",
            (Patch("clover/target.py", "self.config.head_dim, self.config.rope_theta,",

@@ -391,6 +391,41 @@ def test_given_candidates_join_the_tree_by_score_under_their_given_parents():
     assert tree.max_depth == 3
 
 
+def test_a_path_both_sources_propose_is_one_node_scored_by_the_better_source():
+    """As on the host (clover.tree's merge), a given candidate whose path the heads also drafted is one node: it
+    carries both raw probabilities, scores by the larger, and the given children hang under it. So a budget of 7
+    holds 7 distinct paths, the best by that score (brute force, each child cut below its parent); a row given
+    only padding keeps the heads' best paths. Two nodes per shared path would leave fewer distinct paths."""
+    table = [[-0.1, -0.9, -2.3], [-0.2, -0.5, -3.1]]
+    given_paths = {(2,): -0.05, (2, 40): -0.3, (2, 40, 41): -0.6, (0,): -0.2, (0, 40): -0.25}
+    given = GivenCandidates(tokens=torch.tensor([[2, 40, 41, 0, 40], [0] * 5]),
+                            parents=torch.tensor([[-1, 0, 1, -1, 3], [-1] * 5]),
+                            depths=torch.tensor([[1, 2, 3, 1, 2], [0] * 5]),
+                            scores=torch.tensor([list(given_paths.values()), [PADDING_SCORE] * 5]))
+    budget = 7
+    shape = StepShape(batch=2, budget=budget, depth=2, top_k=3, width=3, kv_len=64, given=5, given_depth=3)
+    tree = propose_tree(_table_draft(table), torch.zeros(2, 4), torch.tensor([5, 6]), shape, given)
+    head_paths = {p: sum(table[i][r] for i, r in enumerate(p))
+                  for d in (1, 2) for p in itertools.product(range(3), repeat=d)}
+
+    def best_paths(scores):
+        cut = {}
+        for path in sorted(scores, key=len):  # parents first: each child just below its parent
+            cut[path] = min(scores[path], cut[path[:-1]] - 1e-3) if len(path) > 1 else scores[path]
+        return sorted(sorted(cut, key=lambda path: -cut[path])[:budget])
+
+    merged = {p: max(head_paths.get(p, -np.inf), given_paths.get(p, -np.inf)) for p in {*head_paths, *given_paths}}
+    for row, expected in ((0, best_paths(merged)), (1, best_paths(head_paths))):
+        parents, tokens = tree.parents[row].tolist(), tree.tokens[row].tolist()
+
+        def path_of(node):
+            return () if node == 0 else path_of(parents[node]) + (tokens[node],)
+        assert sorted(path_of(n) for n in range(1, len(tokens))) == expected
+    nodes = {tuple(tree.tokens[0, :n + 1][tree.ancestors[0, n, :n + 1]].tolist()[1:]): n for n in range(1, budget + 1)}
+    both = tree.lograw[0, nodes[(2,)]].tolist()
+    assert both == pytest.approx([-2.3, -0.05])  # the heads' and the given raw log-probabilities, one node
+
+
 def test_suffix_proposals_become_given_candidates_with_raw_scores_and_their_calibration_row():
     proposal = SuffixProposal(tokens=np.array([7, 8, 9]), parents=np.array([-1, 0, 0]), depths=np.array([1, 2, 2]),
                               counts=np.array([4, 4, 1]), total=4, match_length=3)
@@ -414,7 +449,7 @@ def test_a_child_always_scores_below_its_parent_even_where_its_depth_is_calibrat
     factors[2, 1] = 0.1
     tree = propose_tree(None, torch.zeros(1, 4), torch.tensor([5]), shape, given, torch.log(factors))
     assert tree.tokens.tolist() == [[5, 40, 41]] and tree.parents.tolist() == [[-1, 0, 1]]
-    assert tree.rows.tolist() == [[0, 2, 2]]
+    assert tree.keys.tolist() == [2] and tree.lograw[0, 1:, 0].isneginf().all()  # the given source's alone
 
 
 
@@ -569,26 +604,24 @@ def _host_tree(gen, size, max_depth):
 
 
 def _device_tree(host_trees, keys, width, padding_rows):
-    """The host's trees as the device step holds them: a node both sources proposed is two nodes (the heads' copy
-    keeps the children, the suffix's copy is appended); rows padded to ``width`` nodes; then ``padding_rows``
-    random rows that are not live. Tokens: 100 + host node (the copy shares its original's)."""
-    fields = {name: [] for name in ("tokens", "parents", "depths", "rows", "lograw")}
-    for (parents, depths, bits, raw), key in zip(host_trees, keys):
-        nodes = [(100 + n, parents[n], depths[n], 0 if bits[n] & SOURCE_HEADS else key,
-                  raw[n, 0] if bits[n] & SOURCE_HEADS else raw[n, 1]) for n in range(len(parents))]
-        nodes += [(100 + n, parents[n], depths[n], key, raw[n, 1]) for n in range(len(parents)) if bits[n] == 3]
-        nodes += [(0, 0, 0, 1, 0.0)] * (width - len(nodes))
+    """The host's trees as the device step holds them: one node per host node (a path both sources proposed is
+    one node with both raw probabilities), rows padded to ``width`` nodes with depth-0 padding; then
+    ``padding_rows`` random rows that are not live. Tokens: 100 + host node."""
+    fields = {name: [] for name in ("tokens", "parents", "depths", "raw")}
+    for parents, depths, _, raw in host_trees:
+        nodes = [(100 + n, parents[n], depths[n], raw[n].tolist()) for n in range(len(parents))]
+        nodes += [(0, 0, 0, [0.0, 0.0])] * (width - len(nodes))
         for name, column in zip(fields, zip(*nodes)):
             fields[name].append(list(column))
     for _ in range(padding_rows):  # a batch's padding row: anything, never counted
         for name, column in zip(fields, ([7] * width, [-1] + [0] * (width - 1), [0] + [1] * (width - 1),
-                                         [0] * width, [0.0] + [0.5] * (width - 1))):
+                                         [[1.0, 0.0]] + [[0.5, 0.5]] * (width - 1))):
             fields[name].append(column)
     parents = torch.tensor(fields["parents"])
     parents[:, 0] = -1
-    lograw = torch.log(torch.tensor(fields["lograw"], dtype=torch.float32))
+    lograw = torch.log(torch.tensor(fields["raw"], dtype=torch.float32))
     return DeviceTree(torch.tensor(fields["tokens"]), torch.tensor(fields["depths"]), parents,
-                      ancestor_masks(parents, width), width, torch.tensor(fields["rows"]), lograw.clamp(min=-1e9))
+                      ancestor_masks(parents, width), width, lograw, torch.tensor(keys + [1] * padding_rows))
 
 
 def test_device_calibration_learns_as_the_hosts_source_calibration():
