@@ -31,8 +31,6 @@ import dataclasses
 import functools
 import math
 import os
-import statistics
-import time
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -40,6 +38,7 @@ import torch
 
 from clover.config import ConfigError, JsonMixin
 from clover.stats import StepOutcome
+from clover.timing import median_seconds
 
 DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 VANILLA_PROBE_AFTER = 4  # speculative steps of a batch size before its one timed vanilla step
@@ -358,31 +357,6 @@ class AdaptiveBudget:
 # -- calibration ----------------------------------------------------------
 
 
-def _sync(device: str) -> None:
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _median_seconds(jobs: dict, repeats: int, device: str) -> dict:
-    """Median seconds of each job (a callable) over ``repeats`` rounds, after one warm-up call each
-    (allocations, kernel selection). Every round runs every job once, in an order rotated per round, so a
-    burst of load on a shared machine costs many points a little instead of one point all its repeats: timed
-    point by point, such a burst once rated 8 target tokens dearer than 16 (docs/results/defaults/README.md)."""
-    keys = list(jobs)
-    for key in keys:
-        jobs[key]()
-    _sync(device)
-    times: dict = {key: [] for key in keys}
-    for round_ in range(repeats):
-        shift = round_ % len(keys)
-        for key in keys[shift:] + keys[:shift]:
-            start = time.perf_counter()
-            jobs[key]()
-            _sync(device)
-            times[key].append(time.perf_counter() - start)
-    return {key: statistics.median(values) for key, values in times.items()}
-
-
 def token_counts(max_tokens: int) -> list[int]:
     """1, 2, 4, ... up to ``max_tokens`` (which is included)."""
     counts, n = [], 1
@@ -434,16 +408,16 @@ UNSTABLE = 1.1  # a point measured over 10% dearer than a larger one is noise (m
 
 
 def _steady_seconds(jobs: dict, repeats: int, device: str, retries: int = 2) -> dict:
-    """:func:`_median_seconds`, then the points that break monotonicity (a count timed over :data:`UNSTABLE`
+    """:func:`median_seconds`, then the points that break monotonicity (a count timed over :data:`UNSTABLE`
     times a larger one of the same kind) measured again, up to ``retries`` times, keeping each point's fastest
     median: load on a shared machine only ever adds time (a new user's build once stored 2 target tokens at
     63 ms, 4 at 50, 8 at 88, 16 at 76)."""
-    seconds = _median_seconds(jobs, repeats, device)
+    seconds = median_seconds(jobs, repeats, device)
     for _ in range(retries):
         unstable = _unstable_points(seconds)
         if not unstable:
             break
-        again = _median_seconds({key: jobs[key] for key in unstable}, repeats, device)
+        again = median_seconds({key: jobs[key] for key in unstable}, repeats, device)
         seconds.update({key: min(seconds[key], t) for key, t in again.items()})
     return seconds
 

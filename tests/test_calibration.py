@@ -31,7 +31,7 @@ def test_unstable_points_are_measured_again_and_the_fastest_median_kept(monkeypa
         asked.append(set(jobs))
         return {key: rounds[min(len(asked), len(rounds)) - 1][key] for key in jobs}
 
-    monkeypatch.setattr(adaptive, "_median_seconds", fake_median)
+    monkeypatch.setattr(adaptive, "median_seconds", fake_median)
     jobs = {("target", n): None for n, _ in LOADED}
     seconds = adaptive._steady_seconds(jobs, repeats=3, device="cpu")
     assert asked[1] == set(jobs)  # every point in a violating pair (2 > 4, 8 > 16) measured again

@@ -9,13 +9,13 @@ shape the first time it is seen (at load, where the CUDA graphs are captured) an
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable
 
 import torch
 
 from clover.attention import InPlaceAttention
 from clover.config import ConfigError
+from clover.timing import median_seconds_of
 
 logger = logging.getLogger(__name__)
 
@@ -24,23 +24,6 @@ TIMED_MAX_TOKENS = 128  # passes with more tokens in flight (prompts) take SDPA 
 
 # (q, k, v, k_cache, v_cache, past_lengths, packed_mask, scale) -> out: clover.attention.tree_attention's signature
 KernelFn = Callable[..., torch.Tensor]
-
-
-def median_seconds(run: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median wall seconds of ``run()`` after one warm-up, the device's queue drained around each."""
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    run()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        began = time.perf_counter()
-        run()
-        synchronize()
-        times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2]
 
 
 def load_kernel(mode: str, device: torch.device) -> KernelFn | None:
@@ -78,7 +61,7 @@ class AttentionChoice:
     """
 
     def __init__(self, mode: str, kernel: KernelFn | None, heads: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device, timer=median_seconds, repeats: int = 20) -> None:
+                 device: torch.device, timer=median_seconds_of, repeats: int = 20) -> None:
         self.mode, self.kernel = mode, kernel
         self.num_heads, self.num_kv_heads, self.head_dim = heads
         self.dtype, self.device = dtype, device

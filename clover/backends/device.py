@@ -23,14 +23,15 @@ import torch
 
 from clover.adaptive import CostModel, SourceCalibration, monotone_fit
 from clover.attention import InPlaceAttention, unpack_mask
-from clover.backends.attention_choice import AttentionChoice, load_kernel, median_seconds
+from clover.backends.attention_choice import AttentionChoice, load_kernel
 from clover.backends.torch import TorchEngine
-from clover.config import ConfigError, TreeConfig
+from clover.config import TreeConfig
 from clover.demo import cache_root
 from clover.device_step import (PADDING_SCORE, DeviceCalibration, DeviceSampling, GivenCandidates, StepShape,
                                 decode_step, sample_rows)
 from clover.engine_contract import DraftResult, TargetResult
 from clover.kv_cache import KVCache
+from clover.timing import median_seconds_of
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class DeviceStepper:
             for budget in self.budgets:
                 shape = StepShape(batch, budget, depth if budget else 0, top_k, top_k, min(KV_BLOCK,
                                   self.cache.max_seq_len))
-                seconds = median_seconds(lambda: self._run(shape), repeats, self.root_hidden.device)
+                seconds = median_seconds_of(lambda: self._run(shape), repeats, self.root_hidden.device)
                 curve = "target" if batch == 1 or shape.tree_tokens == 1 else "target_batched"
                 curves[curve].append([batch * shape.tree_tokens, seconds])
         self.root_hidden.copy_(saved_roots)
