@@ -145,16 +145,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("--questions", type=int, default=None,
                         help="first N MT-bench questions, round-robin over the categories (default: all 80)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per question at most")
-    parser.add_argument("--budgets", default="8,32", help="fixed tree budgets, comma-separated (adaptive off)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per question at most (default 128)")
+    parser.add_argument("--budgets", default="8,32",
+                        help="fixed tree budgets, comma-separated (adaptive off; default 8,32)")
     parser.add_argument("--variants", default="heads,heads+suffix",
                         help="drafting variants, comma-separated: heads (the heads alone), heads+suffix (suffix "
                              "candidates merged into the heads' tree)")
     parser.add_argument("--target", default="demo", help="checkpoint directory or 'demo' (SmolLM2-135M-Instruct)")
     parser.add_argument("--heads", default=None, help="Clover heads directory (default: the demo's shipped heads)")
     parser.add_argument("--mtbench", default=None, help="MT-bench question.jsonl (default: the installed package's)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences decoded together (both builders)")
-    parser.add_argument("--max-seq", type=int, default=1024, help="the engines' context (KV cache) length")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="sequences decoded together, both builders (default 8)")
+    parser.add_argument("--max-seq", type=int, default=1024,
+                        help="the engines' context (KV cache) length (default 1024)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--output", default="outputs/device_tree_tau", help="directory for the JSON and Markdown")
     args = parser.parse_args(argv)
