@@ -98,14 +98,16 @@ def decode_engine(target_dir, drafter_dir: Path, backend: str, work_dir: Path, *
 
 
 def decode_rows(engine, tokenizer, records: list[dict], *, tree_budget: int = 4, max_new_tokens: int = 128,
-                batch_size: int = 8, progress: bool = True, variant: str = "heads") -> list[dict]:
+                batch_size: int = 8, progress: bool = True, variant: str = "heads",
+                keep_tokens: bool = False) -> list[dict]:
     """Greedy speculative decoding of ``records`` on ``engine`` with a fixed tree of ``tree_budget`` nodes.
 
     ``variant`` (:data:`VARIANTS`): ``heads`` the heads alone (proposer ``none``), ``heads+suffix`` both sources
     in one tree, ``suffix`` the suffix proposer alone (method ``suffix``; docs/trees.md#model-free-candidates).
 
     One row per decoded record: id, category, decode steps, accepted draft
-    tokens, new tokens and ``accept_hist`` (steps that accepted 0, 1, 2... tokens).
+    tokens, new tokens and ``accept_hist`` (steps that accepted 0, 1, 2... tokens);
+    ``keep_tokens``: also the generated ``token_ids`` (to compare two engines' outputs).
     Prompts that do not fit the engine's context are left out.
     """
     from tqdm import tqdm
@@ -133,6 +135,8 @@ def decode_rows(engine, tokenizer, records: list[dict], *, tree_budget: int = 4,
             hist[a] += 1
         rows.append({"id": record["id"], "category": record["category"], "steps": result.stats.num_steps,
                      "accepted": sum(accepted), "new_tokens": len(result.token_ids), "accept_hist": hist})
+        if keep_tokens:
+            rows[-1]["token_ids"] = list(result.token_ids)
     return rows
 
 
