@@ -424,7 +424,7 @@ def distributed_worker(args) -> int:
     """One rank of distributed_step (under torchrun): two optimizer steps, then compares the replicas."""
     import torch.distributed as torch_dist
     from training.experiments.cost_probe import timed
-    from training.distributed import Distributed
+    from training.distributed import Distributed, end_torchrun_rank
 
     ctx = Context(args.dry_run, Path(args.out), Path(args.build_dir), args.inject_fault)
     dist = Distributed.from_env(ctx.device.type)
@@ -444,7 +444,7 @@ def distributed_worker(args) -> int:
         (ctx.out / "steps" / "distributed_worker.json").write_text(json.dumps(result, indent=1) + "\n")
     dist.barrier()
     dist.close()
-    return 0
+    return end_torchrun_rank(0)
 
 
 def distributed_step(ctx: Context) -> dict:

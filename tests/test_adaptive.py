@@ -256,10 +256,10 @@ class TimedEngine:
 
 def test_calibrate_measures_each_token_count(tiny_engine, monkeypatch):
     """Deterministic: calibrate times exactly the engine calls, on a fake clock (no wall-clock flakiness)."""
-    import clover.adaptive as adaptive
+    import clover.timing as timing  # the median timer calibrate uses
 
     clock = FakeClock()
-    monkeypatch.setattr(adaptive, "time", clock)
+    monkeypatch.setattr(timing, "time", clock)
     engine = TimedEngine(tiny_engine, clock)
     model = calibrate(engine, max_tokens=256, repeats=2)
     counts = token_counts(256)
@@ -275,10 +275,10 @@ def test_calibrate_measures_each_token_count(tiny_engine, monkeypatch):
 def test_calibration_spreads_a_burst_of_load_over_many_points(tiny_engine, monkeypatch):
     """Five consecutive calls slowed by a burst: interleaved rounds give each point at most one slow sample,
     which the median of five drops; timed point by point, one point would have had all five."""
-    import clover.adaptive as adaptive
+    import clover.timing as timing  # the median timer calibrate uses
 
     clock = FakeClock()
-    monkeypatch.setattr(adaptive, "time", clock)
+    monkeypatch.setattr(timing, "time", clock)
     counts = token_counts(16)
     first_timed_round = 2 * len(counts)  # after the warm-up calls
     engine = TimedEngine(tiny_engine, clock, slow_calls=range(first_timed_round + 3, first_timed_round + 8))

@@ -75,7 +75,7 @@ from clover.drafters import (DRAFT_VOCAB_FILE, Drafter, calibrate_token_scale, l
                              read_draft_vocab, save_drafter, set_draft_vocab)
 from training.accuracy import teacher_forced
 from training.batches import Batch, assistant_tokens, collate, plan_digest, plan_epochs
-from training.distributed import Distributed
+from training.distributed import Distributed, end_torchrun_rank
 from training.features import (FEATURE_SOURCES, enable_gradient_checkpointing, online_hidden_states,
                                online_target_dtype, peak_memory_mb, stored_dtype)
 from training.forward import find_roots, head_weights, pick_device, run_batch
@@ -801,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         if not summary["complete"]:
             print(f"paused at step {summary['steps']} of {summary['planned_steps']} (--stop-at); rerun without it, "
                   f"or with a later step, to go on", file=sys.stderr)
-    return 0
+    return end_torchrun_rank(0)
 
 
 if __name__ == "__main__":
