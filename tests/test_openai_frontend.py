@@ -30,7 +30,7 @@ from clover.prompts import encode_prompt  # noqa: E402
 from clover.serving.openai_frontend import (  # noqa: E402
     ChatCompletionRequest, CompletionRequest, FrontendProcess, FrontendSettings, OpenAIError, chat_request,
     completion_request, create_app, model_error, parse_body, render_chat)
-from clover.serving.server import ServerError, find_tritonserver, free_port  # noqa: E402
+from clover.serving.server import ServerError, find_tritonserver, free_port, free_ports  # noqa: E402
 from tests.helpers import hf_greedy  # noqa: E402
 from tests.serving_support import PROMPTS, long_answer_prompt, reference, tiny_engine_dir  # noqa: E402,F401  (fixtures)
 
@@ -427,7 +427,7 @@ def served(tiny_engine_dir, tmp_path_factory):
         find_tritonserver()
     except ServerError as exc:
         pytest.skip(f"no Triton server here: {exc}")
-    ports = [free_port() for _ in range(4)]
+    ports = free_ports(4)
     cmd = [sys.executable, "-m", "clover.cli", "serve", "--engine", str(tiny_engine_dir), "--host", "127.0.0.1",
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
            "--openai-port", str(ports[3]), "--threads", "1", "--max-batch", "16", "--startup-timeout", str(STARTUP_S),

@@ -26,7 +26,8 @@ pytest.importorskip("tritonclient.http", reason="tritonclient[http] is not insta
 
 from clover.client import ClientError, GrpcClient, HttpClient, collect, run_load  # noqa: E402
 from clover.serving.repository import write_repository  # noqa: E402
-from clover.serving.server import ServerError, TritonServer, find_tritonserver, free_port, shm_regions  # noqa: E402
+from clover.serving.server import (ServerError, TritonServer, find_tritonserver, free_ports,  # noqa: E402
+                                   shm_regions)
 from tests.serving_support import PROMPTS, long_answer_prompt, reference, tiny_engine_dir  # noqa: E402,F401  (fixtures)
 
 STARTUP_S = 240
@@ -456,7 +457,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_clover_serve_prints_endpoints_and_ctrl_c_shuts_down_cleanly(install, tiny_engine_dir, reference, tmp_path):
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     shm_before = shm_regions()
     cmd = [sys.executable, "-m", "clover.cli", "serve", "--engine", str(tiny_engine_dir), "--host", "127.0.0.1",
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),

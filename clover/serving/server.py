@@ -97,10 +97,22 @@ def find_tritonserver() -> TritonInstall:
     return TritonInstall(binary, "nvidia-pytriton", backend, stub, root.parent.parent / "nvidia_pytriton.libs")
 
 
+def free_ports(count: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> list[int]:
+    """``count`` distinct ports free now, none of ``avoid``. Their sockets stay bound until all are chosen: ports
+    asked for one at a time can repeat (the system may hand a just-released port out again), and tritonserver then
+    refused to start ("cannot listen to HTTP requests and metrics requests at the same address and port")."""
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            if sock.getsockname()[1] not in (*avoid, *ports):
+                ports.append(sock.getsockname()[1])
+        return ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 def shm_regions() -> set[str]:
@@ -134,9 +146,9 @@ class TritonServer:
         self.model_repository = Path(model_repository).resolve()
         bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else host
         self.host = bind
-        self.http_port = http_port or free_port()
-        self.grpc_port = grpc_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        given = (http_port, grpc_port, metrics_port)
+        spare = iter(free_ports(sum(not p for p in given), avoid=tuple(p for p in given if p)))  # for each 0
+        self.http_port, self.grpc_port, self.metrics_port = (port or next(spare) for port in given)
         self.log_file = Path(log_file) if log_file is not None else None
         self.extra_args = tuple(extra_args)
         if drain_s < 0:
