@@ -72,13 +72,13 @@ def count_device_row_steps(engine) -> dict[str, int]:
 
 
 def decode_with(engine, counter: dict[str, int], tokenizer, records: list[dict], budget: int, variant: str,
-                max_new_tokens: int, batch_size: int) -> dict:
+                max_new_tokens: int, batch_size: int, progress: bool = False) -> dict:
     """``training/evaluate.py``'s rows (with token ids) of one builder, its wall time and device row steps."""
     from training.evaluate import decode_rows
 
     before, start = counter["rows"], time.perf_counter()
     rows = decode_rows(engine, tokenizer, records, tree_budget=budget, max_new_tokens=max_new_tokens,
-                       batch_size=batch_size, progress=False, variant=variant, keep_tokens=True)
+                       batch_size=batch_size, progress=progress, variant=variant, keep_tokens=True)
     return {"rows": rows, "seconds": time.perf_counter() - start, "device_row_steps": counter["rows"] - before}
 
 
@@ -112,11 +112,11 @@ def summarize(budget: int, variant: str, runs: dict[str, dict]) -> dict:
 
 
 def compare_builders(engines: dict, counters: dict, tokenizer, records: list[dict], budget: int, variant: str,
-                     max_new_tokens: int = 128, batch_size: int = 8) -> tuple[dict, list[dict]]:
+                     max_new_tokens: int = 128, batch_size: int = 8, progress: bool = False) -> tuple[dict, list[dict]]:
     """Decode ``records`` with both builders at one setting: its summary (:func:`summarize`) and the raw rows,
     each tagged with budget, variant and builder."""
-    runs = {b: decode_with(engines[b], counters[b], tokenizer, records, budget, variant, max_new_tokens, batch_size)
-            for b in BUILDERS}
+    runs = {b: decode_with(engines[b], counters[b], tokenizer, records, budget, variant, max_new_tokens, batch_size,
+                           progress) for b in BUILDERS}
     rows = [{"budget": budget, "variant": variant, "builder": b, **row} for b in BUILDERS for row in runs[b]["rows"]]
     return summarize(budget, variant, runs), rows
 
@@ -160,6 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the engines' context (KV cache) length (default 1024)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--output", default="outputs/device_tree_tau", help="directory for the JSON and Markdown")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (one per decode)")
     args = parser.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(DEVICE_VARIANTS)
     if unknown:
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     for budget in (int(b) for b in args.budgets.split(",")):
         for variant in args.variants.split(","):
             summary, setting_rows = compare_builders(engines, counters, tokenizer, records, budget, variant,
-                                                     args.max_new_tokens, args.batch_size)
+                                                     args.max_new_tokens, args.batch_size, not args.no_progress)
             summaries.append(summary)
             rows += setting_rows
             print(markdown([summary]).splitlines()[-1], file=sys.stderr, flush=True)
