@@ -22,6 +22,8 @@ import json
 import sys
 from pathlib import Path
 
+from training.experiments import doc_parser
+
 REFERENCE, VANILLA = "fp32 vanilla", "bf16 vanilla"
 
 
@@ -69,9 +71,7 @@ def markdown(summaries: list[dict], settings: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = doc_parser(__doc__)
     parser.add_argument("--questions", type=int, default=None, help="first N MT-bench questions (default: all 80)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per question (default 128)")
     parser.add_argument("--budgets", default="8,32", help="Clover's fixed tree budgets, comma-separated (default 8,32)")

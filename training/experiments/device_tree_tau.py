@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from training.experiments import doc_parser
+
 BUILDERS = ("host", "device")
 DEVICE_VARIANTS = ("heads", "heads+suffix")  # training/evaluate.py's variants whose steps run on the device stepper
 
@@ -140,9 +142,7 @@ def markdown(summaries: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = doc_parser(__doc__)
     parser.add_argument("--questions", type=int, default=None,
                         help="first N MT-bench questions, round-robin over the categories (default: all 80)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per question at most (default 128)")
