@@ -22,6 +22,7 @@ import math
 import os
 import random
 import re
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -31,6 +32,7 @@ import pytest
 import torch
 
 from clover.attention import pack_mask, tree_attention
+from trt_plugins import kernel_traffic
 from trt_plugins import tiling_model as tm
 from trt_plugins.loader import BUILD_HINT, ENV_VAR, PluginLibraryNotFoundError, load_plugin_library
 
@@ -418,3 +420,40 @@ def test_plugin_through_ipluginv3_interfaces(kernel_object, tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ALL PASSED" in run.stdout
+
+
+@pytest.mark.parametrize("batch, tokens, hq, hkv, pasts, splits", [
+    (1, 1, 4, 1, [300], None),        # decode: one row tile, heuristic splits
+    (2, 20, 8, 2, [70, 0], None),     # 80 rows per (b, g): 5 row tiles, each reading the cache again
+    (3, 16, 12, 4, [33, 5, 64], 3),   # 48 rows: 3 row tiles x 3 forced splits
+    (1, 33, 4, 4, [129], 2),          # 33 rows: 3 tiles, a tile of one row
+])
+def test_cache_keys_read_counts_what_the_model_reads(batch, tokens, hq, hkv, pasts, splits):
+    """tm.cache_keys_read (the bandwidth the GPU check reports) against the keys the kernel's blocks read."""
+    gen = random.Random(tokens)
+    visible = torch.stack([random_tree(tokens, gen) for _ in range(batch)])
+    case = make_case(batch, tokens, hq, hkv, 64, pasts, visible, slack=7)
+    q, k, v, k_cache, v_cache, past_lengths, packed_mask = case
+    stats = {}
+    tm.tree_attention_tiled(as_np(q), as_np(k), as_np(v), as_np(k_cache), as_np(v_cache), as_np(past_lengths),
+                            as_np(packed_mask), splits=splits, stats=stats)
+    assert stats["cache_keys_read"] == tm.cache_keys_read(tokens, hq, hkv, pasts, k_cache.shape[2])
+
+
+def test_kernel_traffic_rates_by_hand(tmp_path, capsys):
+    """2 sequences x 1 KV head x 1,000 positions x (K + V) x 128 dims x 2 bytes = 1.024 MB; T 17 with one query
+    head per KV head is 17 rows, two row tiles, so the kernel reads it twice; in a microsecond: 2.048 / 1.024 TB/s."""
+    row = {"B": 2, "T": 17, "past": 1000, "Hq/Hkv": "1/1", "D": 128, "tree_attn_ms": 0.001, "sdpa_mask_ms": 0.001,
+           "tree_attn_T1_ms": 0.002, "sdpa_T1_ms": 0.004}
+    got = kernel_traffic.traffic(row)
+    assert got["row_tiles"] == 2 and got["cache_MB"] == 1.0 and got["kernel_MB_read"] == 2.0
+    assert (got["kernel_TBps"], got["sdpa_TBps"], got["kernel_T1_TBps"], got["sdpa_T1_TBps"]) == \
+        (2.048, 1.024, 0.512, 0.256)
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"steps": [{"name": "kernel_correctness", "data": {"timing": [row]}}]}))
+    assert kernel_traffic.main([str(report)]) == 0
+    assert "2.05 TB/s" in capsys.readouterr().out
+    report.write_text(json.dumps({"steps": [{"name": "kernel_build", "data": {}}]}))
+    with pytest.raises(SystemExit):
+        kernel_traffic.main([str(report)])
+    assert "no op-level timings" in capsys.readouterr().err

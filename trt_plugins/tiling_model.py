@@ -74,6 +74,17 @@ def workspace_size(
     return n * batch * num_tokens * num_q_heads * (head_dim + 2) * 4 if n > 1 else 0
 
 
+def cache_keys_read(num_tokens: int, num_q_heads: int, num_kv_heads: int, past_lengths, max_seq_len: int) -> int:
+    """Cache keys (each one K row and one V row of ``D`` elements) the kernel reads in one launch.
+
+    Every row tile of a (b, g) reads that sequence's whole filled cache for its KV head once, whatever the
+    number of splits (they partition it), so the cache is read ``row_tiles`` times: the reason the kernel
+    slows where T x group outgrows one tile (docs/gpu-engine.md#why-the-kernel-is-slow-at-large-shapes).
+    """
+    tiles = row_tiles(num_tokens, num_q_heads // num_kv_heads)
+    return tiles * num_kv_heads * sum(min(max(int(p), 0), max_seq_len) for p in past_lengths)
+
+
 def workspace_bound(head_dim: int) -> int:
     """``treeAttentionWorkspaceBound`` in bytes."""
     return 2 * BLOCK_M * TARGET_BLOCKS * (head_dim + 2) * 4
@@ -143,6 +154,7 @@ def _main_block(a: dict, block_x: int, split: int, out: np.ndarray, ws_acc, ws_m
                 nkeys = min(BLOCK_N, c1 - key0)
                 keys = k_cache[b, g, key0 : key0 + nkeys]
                 vals = v_cache[b, g, key0 : key0 + nkeys]
+                a["cache_keys_read"] += nkeys
             else:
                 key0 = (tile - n_cache_tiles) * BLOCK_N  # a multiple of 32: one mask word
                 nkeys = min(BLOCK_N, T_ - key0)
@@ -236,6 +248,7 @@ def tree_attention_tiled(
     packed_mask: np.ndarray,
     scale: float | None = None,
     splits: int | None = None,
+    stats: dict | None = None,
 ) -> np.ndarray:
     """Run the kernel model; mirrors ``launchTreeAttention``.
 
@@ -246,6 +259,7 @@ def tree_attention_tiled(
         scale: softmax scale; None or <= 0 means ``1/sqrt(D)``.
         splits: force the number of key splits (the launcher's clamp to a smaller
             workspace); None uses :func:`num_splits`.
+        stats: if given, gets ``cache_keys_read``: the cache keys the blocks read (see :func:`cache_keys_read`).
     Returns:
         fp32 ``[B, T, Hq, D]`` (the kernel then rounds to the I/O dtype).
     """
@@ -278,6 +292,7 @@ def tree_attention_tiled(
         "row_tiles": row_tiles(T_, group),
         "num_splits": n,
         "q_scale": np.float32(scale) * LOG2E,
+        "cache_keys_read": 0,
     }
     total_rows = B * T_ * Hq
     ws_acc = np.full((n, total_rows, D), np.nan, np.float32)  # uninitialised workspace
@@ -288,4 +303,6 @@ def tree_attention_tiled(
             _main_block(a, block_x, split, out, ws_acc, ws_m, ws_l)
     if n > 1:
         _combine(ws_acc, ws_m, ws_l, out)
+    if stats is not None:
+        stats["cache_keys_read"] = a["cache_keys_read"]
     return out.reshape(B, T_, Hq, D)

@@ -12,7 +12,8 @@ Run through ``bash trt_plugins/tests/run_gpu_checks.sh`` (or directly with
    beyond past_lengths is filled with NaN for the kernel, so any read past the
    valid range shows up as NaN.
 3. Timing: the kernel vs ``F.scaled_dot_product_attention`` with an explicit
-   boolean mask over the concatenated (cache + new) keys, and vs SDPA at T=1.
+   boolean mask over the concatenated (cache + new) keys, and vs SDPA at T=1, with
+   the rate each one read the cache at (trt_plugins/kernel_traffic.py).
 
 Exit status 0 only if every correctness case passes.
 """
@@ -35,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from clover.attention import pack_mask, tree_attention  # noqa: E402
 from clover.kernels import load_extension  # noqa: E402
+from trt_plugins.kernel_traffic import traffic  # noqa: E402
 
 # (atol, rtol) on the output in the I/O dtype. The reference also computes in fp32
 # and rounds once, so the outputs may differ by about one unit in the last place.
@@ -236,12 +238,13 @@ def benchmark(ext, device, dtype=torch.float16) -> list[dict]:
         keys1, values1 = keys[:, :, : past + 1].contiguous(), values[:, :, : past + 1].contiguous()
         q1s = q1.transpose(1, 2).contiguous()
         sdpa_t1 = time_ms(lambda: sdpa_gqa(q1s, keys1, values1, None))
-        rows.append({
+        row = {
             "B": batch, "T": tokens, "past": past, "Hq/Hkv": f"{hq}/{hkv}", "D": dim,
             "splits": ext.num_splits(q, k, v, kc, vc, pl, pm),
             "tree_attn_ms": ours, "sdpa_mask_ms": sdpa, "sdpa_mask_concat_ms": sdpa_cat,
             "tree_attn_T1_ms": ours_t1, "sdpa_T1_ms": sdpa_t1, "max_diff_vs_sdpa": sdpa_diff,
-        })
+        }
+        rows.append(row | traffic(row, itemsize=torch.tensor([], dtype=dtype).element_size()))
     return rows
 
 
@@ -288,7 +291,8 @@ def main() -> int:
         bench = benchmark(ext, device)
         print(f"\ntiming, fp16, median ms ({time.time() - t0:.1f} s):")
         print_table(bench, ["B", "T", "past", "Hq/Hkv", "D", "splits", "tree_attn_ms", "sdpa_mask_ms",
-                            "sdpa_mask_concat_ms", "tree_attn_T1_ms", "sdpa_T1_ms", "max_diff_vs_sdpa"])
+                            "sdpa_mask_concat_ms", "tree_attn_T1_ms", "sdpa_T1_ms", "max_diff_vs_sdpa",
+                            "row_tiles", "kernel_TBps", "sdpa_TBps", "kernel_T1_TBps", "sdpa_T1_TBps"])
         bad = [r for r in bench if not r["max_diff_vs_sdpa"] <= 1e-2]
         if bad:
             print(f"WARNING: kernel and SDPA disagree by more than 1e-2 (fp16) on {len(bad)} timing configs")
