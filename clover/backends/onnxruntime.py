@@ -11,11 +11,16 @@ takes one row at a time there), the engine's ``target_batched.onnx``, the same
 graph with standard attention, runs it and returns the new tokens' K/V.
 Other engines (``standard`` attention) return the new tokens' K/V as numpy
 arrays over onnxruntime's own buffers, without a copy.
+
+An engine built with ``--target-compute int8-exact`` also holds ``target_native.safetensors``: there the
+target runs in Clover's own CPU kernel (:mod:`clover.kernels.cpu_target`, one call per pass, in place like
+``gqa``), and ``target.onnx`` (fp32 compute) only where that kernel cannot run on this machine.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -78,6 +83,22 @@ class _Memory:
                                     "strides": tuple(stride * size for stride in tensor.stride())}
 
 
+def load_native_target(engine_dir: Path, meta: EngineMeta, threads: int | None):
+    """The engine's exact int8 CPU target, or None (with a one-line note on stderr) where this machine cannot run
+    it: then ``target.onnx`` (fp32 compute) runs instead (docs/quantized-target.md#the-exact-int8-engine)."""
+    from clover.demo import cache_root
+    from clover.export.native_target import read_native_target
+    from clover.kernels.cpu_target import NativeTarget, NativeUnavailable
+
+    try:
+        tensors, config = read_native_target(engine_dir / meta.files["target_native"])
+        return NativeTarget(tensors, config, str(cache_root() / "kernels"), threads)
+    except NativeUnavailable as exc:
+        print(f"[clover] {exc}; running onnxruntime's target (q4 weights, fp32 compute) instead", file=sys.stderr,
+              flush=True)
+        return None
+
+
 class OnnxRuntimeEngine:
     """Runs ``target.onnx`` and ``draft_step.onnx`` of an engine directory (and Clover-2's ``draft_prefill.onnx``)."""
 
@@ -93,8 +114,10 @@ class OnnxRuntimeEngine:
             if not (self.engine_dir / name).exists():
                 raise ConfigError(f"{engine_dir}: {name} is missing; rebuild the engine")
         self.target_session = open_session(self.engine_dir / files["target"], threads)
+        self.native = load_native_target(self.engine_dir, meta, threads) if files.get("target_native") else None
         self.in_place = meta.attention == "gqa"  # contract v3: the target writes the KV cache itself
-        self.runs_batched_trees_apart = self.in_place  # in target_batched.onnx: the cost model prices them apart
+        # in target_batched.onnx: the cost model prices them apart (the native target runs them in one pass)
+        self.runs_batched_trees_apart = self.in_place and self.native is None
         batched = files.get("target_batched")
         self.batched_session = open_session(self.engine_dir / batched, threads) if self.in_place and batched else None
         if self.in_place and self.batched_session is None:
@@ -119,6 +142,8 @@ class OnnxRuntimeEngine:
         self._prefill_outputs = [*DRAFT_PREFILL_OUTPUTS, *draft_present_output_names(num_draft_kv)]
 
     def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
+        if self.native is not None:
+            return self._native_target(input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache)
         feeds = {
             "input_ids": input_ids.contiguous().numpy(),
             "position_ids": position_ids.contiguous().numpy(),
@@ -142,6 +167,18 @@ class OnnxRuntimeEngine:
         outputs = [torch.from_numpy(o) for o in self._run(session, self._target_outputs, feeds)]
         presents = outputs[2:]
         return TargetResult(outputs[0], outputs[1], presents[0::2], presents[1::2])
+
+    def _native_target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
+        """The exact int8 target: one native call, the new tokens' K/V written into the cache (contract v3)."""
+        ids, positions = input_ids.contiguous().numpy(), position_ids.contiguous().numpy()
+        past = past_lengths.to(torch.int32).contiguous().numpy()
+        if not all(t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu"
+                   for t in (*k_cache, *v_cache)):
+            raise ValueError("the exact int8 target writes the KV cache in place: contiguous fp32 CPU tensors only")
+        self.native.check_pass(ids, positions, past, k_cache)
+        logits, h0 = self._timed(self.native.forward, ids, positions, past, packed_mask.contiguous().numpy(),
+                                 k_cache, v_cache)
+        return TargetResult(torch.from_numpy(logits), torch.from_numpy(h0), None, None)
 
     def _target_in_place(self, binding, feeds: dict) -> TargetResult:
         """The ``gqa`` graph with each present bound to its past's memory (``binding``: :meth:`_binding_for`): the

@@ -85,6 +85,8 @@ class BuildOptions:
         compute = self.target_compute or default_target_compute(self.target_weights)
         if compute not in TARGET_COMPUTE:
             raise ConfigError(f"unknown target compute {compute!r}; choose {', '.join(TARGET_COMPUTE)}")
+        if compute == "int8-exact" and self.target_weights != "q4":
+            raise ConfigError("--target-compute int8-exact runs Q4_1 / Q8_0 blocks: use it with --target-weights q4")
         if self.target_weights == "int8" and compute != "int8":
             raise ConfigError("--target-weights int8 runs with --target-compute int8 (onnxruntime's 8-bit MatMulNBits "
                               "has no fp32-activation kernel); --target-weights q4 supports both")
@@ -113,18 +115,19 @@ def _attention_for(options: BuildOptions, cfg, chosen: str | None, progress: Cal
     return dataclasses.replace(options, attention="standard")
 
 
-# The demo engine's target: the GGUF's own 4-bit blocks with fp32 activations, which keep the fp32 engine's greedy
-# answers. Not int8 activations, although faster: onnxruntime 1.32's int8-compute MatMulNBits gives a token other
-# logits (by up to 1.2) depending on the other rows of the pass, so verifying a tree would not reproduce vanilla
-# decoding token for token (docs/quantized-target.md#the-default).
-DEMO_TARGET_WEIGHTS, DEMO_TARGET_COMPUTE = "q4", "fp32"
+# The demo engine's target: the GGUF's own 4-bit blocks with int8 activations in Clover's own CPU kernel, which
+# computes a token's row the same whatever else the pass holds, so speculative decoding reproduces its vanilla
+# decoding bit for bit. Not onnxruntime's int8-compute MatMulNBits: it gives a token other logits (by up to 1.2)
+# depending on the other rows of the pass (docs/quantized-target.md#the-default).
+DEMO_TARGET_WEIGHTS, DEMO_TARGET_COMPUTE = "q4", "int8-exact"
 
 
 def default_target_compute(target_weights: str) -> str:
-    """``fp32`` activations for q4 weights (exact against the fp32 engine, and the same numbers whatever else the
-    pass holds), ``int8`` for int8 weights (their only kernel) and int4 blocks (already approximate); int8
-    activations make a token's logits depend on the other rows of the pass (docs/quantized-target.md#the-default)."""
-    return "fp32" if target_weights == "q4" else "int8"
+    """``int8-exact`` for q4 weights (Clover's own kernel: int8 activations, and the same numbers whatever else the
+    pass holds), ``int8`` for int8 weights (their only kernel) and int4 blocks (already approximate);
+    onnxruntime's int8 activations make a token's logits depend on the other rows of the pass
+    (docs/quantized-target.md#the-default)."""
+    return "int8-exact" if target_weights == "q4" else "int8"
 
 
 def default_target_weights(target: str | None, backend: str = "onnxruntime", dtype: str = "fp32") -> str:
@@ -225,7 +228,7 @@ def _target_weights(models: _LoadedModels, options: BuildOptions, progress: Call
         source = {"q4": "quantized per block (gguf Q4_1, LM head Q8_0)",
                   "int4": "quantized per block of 32 (4-bit, symmetric, MatMulNBits' own layout)",
                   "int8": "quantized per output channel (int8, symmetric)"}[options.target_weights]
-    if options.target_compute == "int8" and models.heads is not None:
+    if options.target_compute == "int8" and models.heads is not None:  # onnxruntime's MatMulNBits
         progress("note: int8 activations make a token's logits depend on the shape of the pass, so speculative "
                  "decoding on this engine can part from its vanilla decoding at near-ties "
                  "(docs/quantized-target.md); --target-compute fp32 keeps it token-exact")
@@ -247,8 +250,8 @@ def _export_graphs(out: Path, models: _LoadedModels, options: BuildOptions, prog
     weights, target_quantization = _target_weights(models, options, progress)
     precision = options.dtype if weights is None else f"{options.target_weights} weights, {options.target_compute} compute"
     progress(f"writing target.onnx ({options.attention} attention, {precision})")
-    target_options = dict(max_positions=_max_seq(options, model), target_weights=weights,
-                          compute=options.target_compute or "fp32")
+    graph_compute = "fp32" if options.target_compute in (None, "int8-exact") else options.target_compute
+    target_options = dict(max_positions=_max_seq(options, model), target_weights=weights, compute=graph_compute)
     tensors = {"target": export_target(model, heads, out / "target.onnx", options.dtype, options.attention,
                                        on_layer, **target_options),
                "draft_step": None}
@@ -256,6 +259,11 @@ def _export_graphs(out: Path, models: _LoadedModels, options: BuildOptions, prog
         progress("writing target_batched.onnx (standard attention, for trees of several sequences)")
         tensors["target_batched"] = export_target(model, heads, out / "target_batched.onnx", options.dtype,
                                                   "standard", **target_options)
+    if options.target_compute == "int8-exact":
+        from clover.export.native_target import FILE, write_native_target
+
+        progress(f"writing {FILE} (the exact int8 CPU target's blocks; target.onnx runs where it cannot)")
+        write_native_target(out, model, heads, weights, _max_seq(options, model))
     quantization = None
     if heads is not None:
         progress("writing draft_step.onnx")
@@ -361,8 +369,9 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
             ``draft_vocab_size``; docs/drafter.md#draft-vocabulary; lossless too); ``target_weights``
             (``fp32``, ``q4``: 4-bit MatMulNBits over Q4_1 blocks, the demo GGUF's own, ``int8``: per channel;
             onnxruntime fp32 engines; :mod:`clover.export.target_weights`, docs/quantized-target.md) and
-            ``target_compute`` (``fp32`` or ``int8`` activations in those MatMuls; default fp32 for q4, int8 for
-            int8).
+            ``target_compute`` (``int8-exact``: int8 activations in Clover's pass-shape-invariant CPU kernel, q4
+            only, ``fp32`` or ``int8`` activations in onnxruntime's MatMulNBits; default int8-exact for q4, int8
+            for int8).
         calibrate: time the built engine's ``target`` and ``draft_step`` (and ``draft_prefill``) for several
             token counts (up to ``calibrate_max_tokens``, default ``max_batch * (1 + max_tree)`` capped at 256)
             and store the cost model in ``engine.json`` (adaptive trees use it; :mod:`clover.adaptive`).
@@ -384,6 +393,10 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
             files["target_batched"] = "target_batched.onnx"
         if _has_draft_prefill(models):
             files["draft_prefill"] = "draft_prefill.onnx"
+        if options.target_compute == "int8-exact":
+            from clover.export.native_target import FILE
+
+            files["target_native"] = FILE
         if options.backend == "tensorrt":
             progress("building TensorRT plans (minutes)")
             files.update(_build_plans(tmp, models, options))

@@ -69,12 +69,15 @@ def parse_args(argv=None, prog: str = "clover build") -> argparse.Namespace:
                         "output channel, fp32 = "
                         "as loaded. Decoding stays lossless against vanilla greedy on the same engine. Default: q4 "
                         "on the demo target, else fp32")
-    p.add_argument("--target-compute", choices=["fp32", "int8"], default=None,
-                   help="activations in the quantized target's MatMuls: fp32 (accuracy_level 1: keeps the fp32 "
-                        "engine's greedy answers, token-exact under speculation) or int8 (accuracy_level 4, quantized "
-                        "per block of 32 as llama.cpp does: faster, 2.2%% of MT-bench positions differ from fp32, and "
-                        "not token-exact under speculation: docs/quantized-target.md). Default: fp32 for q4, int8 "
-                        "for int8 and int4")
+    p.add_argument("--target-compute", choices=["int8-exact", "fp32", "int8"], default=None,
+                   help="activations in the quantized target's matmuls (docs/quantized-target.md): int8-exact = int8 "
+                        "per block of 32 in Clover's own CPU kernel, which computes a token's logits bit for bit the "
+                        "same whatever else the pass holds, so speculative output equals this engine's vanilla "
+                        "output (q4 only; needs x86-64 with AVX2 and a C++ compiler, else target.onnx runs at fp32 "
+                        "compute, with a one-line note); fp32 = onnxruntime MatMulNBits accuracy_level 1 (the fp32 "
+                        "engine's answers, token-exact under speculation, slower); int8 = MatMulNBits accuracy_level "
+                        "4 (fast, but NOT token-exact under speculation). Default: int8-exact for q4, int8 for int8 "
+                        "and int4")
     p.add_argument("--proposer", choices=PROPOSERS, default=None,
                    help="model-free tree candidates the engine decodes with by default (engine.json tree_defaults; "
                         "clover generate --proposer and the serving parameter override it); default: suffix "

@@ -33,8 +33,11 @@ import numpy as np
 from clover.config import ConfigError
 
 TARGET_WEIGHTS = ("fp32", "int8", "q4", "int4")
-TARGET_COMPUTE = ("fp32", "int8")  # MatMulNBits accuracy_level 1 / 4: activations fp32, or int8 per block
-ACCURACY_LEVEL = {"fp32": 1, "int8": 4}
+# MatMulNBits accuracy_level 1 / 4: activations fp32, or int8 per block; int8-exact: int8 per block in Clover's
+# own pass-shape-invariant CPU kernel (clover/kernels/cpu_target.cpp), with target.onnx at fp32 compute where it
+# cannot run (docs/quantized-target.md#the-exact-int8-engine)
+TARGET_COMPUTE = ("fp32", "int8", "int8-exact")
+ACCURACY_LEVEL = {"fp32": 1, "int8": 4, "int8-exact": 1}  # the level of target.onnx
 BLOCK = 32  # weights per Q4_1 / Q8_0 block, and the smallest input size a quantized linear may have
 
 # the decoder-layer linears, as clover names them (clover.target) and as a llama GGUF does
