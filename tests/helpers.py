@@ -7,6 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from clover.backends.device import DeviceEngine
@@ -416,3 +417,45 @@ def assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, tolerance: floa
     a different order (an ONNX graph against torch) drift with the magnitude of the values summed (the
     Augmenting Block's h0 reaches ~100 on the tiny random targets)."""
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * max(1.0, want.abs().max().item()))
+
+
+def fake_quantized_int8(x: torch.Tensor) -> torch.Tensor:
+    """int8 activations as MatMulNBits' accuracy_level 4 makes them: per block of the weight's block size (32)
+    along the inputs, symmetric, scale max|x| / 127, rounded to nearest."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
+    return (q * scale).reshape(x.shape)
+
+
+def int8_compute_reference(reference_target, weights: dict, matmul_nbits: bool = True):
+    """transformers' model of ``reference_target`` (the weights dequantised) with each quantized linear's input
+    quantized to int8 as above: what int8 compute means (docs/quantized-target.md#compute). ``matmul_nbits``
+    (onnxruntime's graph): a Q4_1 weight ``d*(q - 8) + (m + 8d)``, the 4-bit part sees the int8 activations, the
+    per-block constant ``m + 8d`` their fp32 block sums (read from the block's own fp16 ``d`` and ``m``). Else
+    (the int8-exact kernel, as llama.cpp): the dequantised weight times the int8 activations."""
+    model = _hf_from_target(reference_target, torch.float32).eval()
+
+    def hook_for(stored):
+        weight = torch.from_numpy(stored.dequantize())  # [N, K]
+        offset = None
+        if stored.format == "q4_1" and matmul_nbits:
+            blocks = stored.data.reshape(stored.shape[0], -1, 20)
+            d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+            m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+            offset = m + 8 * d  # [N, K/32]
+            weight = weight - offset.repeat_interleave(32, dim=1)
+
+        def hook(module, inputs, output):
+            x = inputs[0]
+            y = fake_quantized_int8(x) @ weight.T
+            if offset is not None:
+                y = y + x.reshape(*x.shape[:-1], -1, 32).sum(-1) @ offset.T
+            return y + module.bias if module.bias is not None else y
+        return hook
+
+    for name, module in model.named_modules():
+        key = f"{name.removeprefix('model.')}.weight"
+        if isinstance(module, torch.nn.Linear) and key in weights:
+            module.register_forward_hook(hook_for(weights[key]))
+    return model

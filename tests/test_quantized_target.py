@@ -23,18 +23,22 @@ from clover.config import ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.drafters import save_drafter
 from clover.export.builder import build_engine
+from clover.kernels import cpu_target
 from clover.export.target_weights import (LAYER_LINEARS, StoredWeight, check_quantizable, pack_matmul_nbits, quantize_gguf,
                                           quantize_int8_channel, quantize_target, read_gguf_target)
 from clover.target import load_target
 from tests.conftest import make_drafter, write_tiny_checkpoint
 from tests.helpers import (OracleEngine, assert_argmax_up_to_its_error, dequantised_target, full_pass_logits,
-                           hf_greedy, logit_error, random_prompts, vanilla_greedy)
+                           hf_greedy, int8_compute_reference, logit_error, random_prompts, vanilla_greedy)
 
 quiet = dict(progress=lambda message: None)
 MAX_NEW = 24
 # (weights, compute, heads): the engines decoded below
 ENGINES = [("q4", "fp32", "clover"), ("q4", "int8", "clover"), ("q4", "int8", "medusa"), ("int8", "int8", "clover"),
-           ("q4", "fp32", "medusa")]
+           ("q4", "fp32", "medusa"), ("q4", "int8-exact", "clover"), ("q4", "int8-exact", "medusa")]
+# int8-exact: Clover's own CPU kernel (clover/kernels/cpu_target.cpp), where this machine can build it
+NATIVE = cpu_target.unavailable_reason()
+EXACT = pytest.param("int8-exact", marks=pytest.mark.skipif(NATIVE is not None, reason=str(NATIVE)))
 
 
 # -- the mapping onto MatMulNBits ---------------------------------------------------------------------------
@@ -204,7 +208,7 @@ def built(tmp_path_factory):
     ckpts = {"q4": write_tiny_checkpoint(root / "tied", tie_word_embeddings=True, seed=4),
              "int8": write_tiny_checkpoint(root / "untied", seed=5)}
     out = {}
-    for weights, compute, method in ENGINES + [("q4", "int8", "none"), ("q4", "fp32", "none")]:
+    for weights, compute, method in ENGINES + [("q4", c, "none") for c in ("int8", "fp32", "int8-exact")]:
         target = load_target(ckpts[weights])
         heads = "none"
         if method != "none":
@@ -222,49 +226,6 @@ def _decode(engine, method, prompts, tree=None, lengths=None, max_batch=8):
     lengths = lengths or [MAX_NEW] * len(prompts)
     return [r.token_ids for r in decoder.generate([GenerationRequest(p, max_new_tokens=n, stop_token_ids=())
                                                    for p, n in zip(prompts, lengths)])]
-
-
-def _fake_quantized(x: torch.Tensor) -> torch.Tensor:
-    """int8 activations as MatMulNBits' accuracy_level 4 makes them: per block of the weight's block size (32)
-    along the inputs, symmetric, scale max|x| / 127, rounded to nearest."""
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
-    return (q * scale).reshape(x.shape)
-
-
-def _int8_compute_reference(reference_target, weights: dict):
-    """transformers' model of ``reference_target`` (the weights dequantised) with each quantized linear's input
-    quantized to int8 as above: what int8 compute means (docs/quantized-target.md#compute). A Q4_1 weight
-    ``d*(q - 8) + (m + 8d)``: the 4-bit part sees the int8 activations, the per-block constant ``m + 8d`` their
-    fp32 block sums (read from the block's own fp16 ``d`` and ``m``)."""
-    from tests.helpers import _hf_from_target
-
-    model = _hf_from_target(reference_target, torch.float32).eval()
-
-    def hook_for(stored):
-        weight = torch.from_numpy(stored.dequantize())  # [N, K]
-        offset = None
-        if stored.format == "q4_1":
-            blocks = stored.data.reshape(stored.shape[0], -1, 20)
-            d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-            m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-            offset = m + 8 * d  # [N, K/32]
-            weight = weight - offset.repeat_interleave(32, dim=1)
-
-        def hook(module, inputs, output):
-            x = inputs[0]
-            y = _fake_quantized(x) @ weight.T
-            if offset is not None:
-                y = y + x.reshape(*x.shape[:-1], -1, 32).sum(-1) @ offset.T
-            return y + module.bias if module.bias is not None else y
-        return hook
-
-    for name, module in model.named_modules():
-        key = f"{name.removeprefix('model.')}.weight"
-        if isinstance(module, torch.nn.Linear) and key in weights:
-            module.register_forward_hook(hook_for(weights[key]))
-    return model
 
 
 @torch.inference_mode()
@@ -316,7 +277,7 @@ def _assert_decodes_the_reference(engine, reference, weights, compute, prompts, 
         for name, outputs in {"vanilla": vanilla, **decoded}.items():
             assert outputs == expected, name
         return
-    model = _int8_compute_reference(reference, weights)
+    model = int8_compute_reference(reference, weights, matmul_nbits=compute == "int8")
     vanilla, error = [], 0.0
     for prompt, n in zip(prompts, lengths):
         tokens, used = _vanilla_and_its_logits(engine, prompt, n)
@@ -331,10 +292,13 @@ def _assert_decodes_the_reference(engine, reference, weights, compute, prompts, 
             judged.append((f"{name} int8 compute, prompt {index}", tokens, expected))
     for what, tokens, expected in judged:
         assert_argmax_up_to_its_error(error, expected, tokens, INT8_COMPUTE_ERROR_CAP, what)
+    if compute == "int8-exact":  # its promise: speculative output is its own vanilla output, token for token
+        for name, outputs in decoded.items():
+            assert outputs == vanilla, name
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("key", ENGINES)
+@pytest.mark.parametrize("key", [pytest.param(k, marks=EXACT.marks) if k[1] == "int8-exact" else k for k in ENGINES])
 def test_random_heads_decode_the_reference_as_vanilla_does(built, key, batch):
     """Speculative and vanilla decoding each against the dequantised reference: with fp32 compute both equal it
     (so each other), with int8 compute both keep to the near-tie rule (speculative no worse than vanilla)."""
@@ -346,7 +310,7 @@ def test_random_heads_decode_the_reference_as_vanilla_does(built, key, batch):
     _assert_decodes_the_reference(engine, *refs[weights], compute, prompts, {method: speculative})
 
 
-@pytest.mark.parametrize("compute", ["fp32", "int8"])
+@pytest.mark.parametrize("compute", ["fp32", "int8", EXACT])
 def test_requests_joining_mid_run_decode_the_reference(built, compute):
     """A max batch of 2 for 5 requests of different lengths: requests join while others run, and leave."""
     engines, refs = built
@@ -371,7 +335,7 @@ def _steps_before(accepted_per_step: list[int], first_wrong: int) -> list[int]:
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("compute", ["fp32", "int8"])
+@pytest.mark.parametrize("compute", ["fp32", "int8", EXACT])
 def test_oracle_heads_accept_everything_on_a_quantized_engine(built, compute, batch):
     """Heads that propose vanilla's continuation are accepted in full wherever the engine's own target agrees
     with vanilla; the output decodes the reference (fp32: token for token; int8: by the near-tie rule, where
@@ -387,7 +351,7 @@ def test_oracle_heads_accept_everything_on_a_quantized_engine(built, compute, ba
     _assert_decodes_the_reference(inner, *refs["q4"], compute, prompts, {"oracle heads": outputs})
     for r, want in zip(results, expected):
         first_wrong = next((i for i, (a, b) in enumerate(zip(r.token_ids, want)) if a != b), len(want))
-        assert compute == "int8" or first_wrong == len(want)  # fp32 compute: vanilla equals the reference too
+        assert compute == "int8" or first_wrong == len(want)  # fp32, int8-exact: vanilla is the oracle's text
         steps = _steps_before(r.stats.accepted_per_step, first_wrong)
         assert steps == [3] * len(steps)  # with no divergence: every step but the last
 

@@ -175,10 +175,29 @@ class OnnxRuntimeEngine:
         if not all(t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu"
                    for t in (*k_cache, *v_cache)):
             raise ValueError("the exact int8 target writes the KV cache in place: contiguous fp32 CPU tensors only")
-        self.native.check_pass(ids, positions, past, k_cache)
-        logits, h0 = self._timed(self.native.forward, ids, positions, past, packed_mask.contiguous().numpy(),
-                                 k_cache, v_cache)
-        return TargetResult(torch.from_numpy(logits), torch.from_numpy(h0), None, None)
+        tokens = ids.shape[1]
+        fits = not past.size or int(past.max()) + tokens <= k_cache[0].shape[2]
+        if not fits and len(set(past.tolist())) > 1:
+            raise ValueError("a cache shorter than past + T needs equal past lengths")
+        caches = (k_cache, v_cache) if fits else self._room_for(k_cache, v_cache, past, tokens)
+        self.native.check_pass(ids, positions, past, caches[0])
+        logits, h0 = self._timed(self.native.forward, ids, positions, past, packed_mask.contiguous().numpy(), *caches)
+        if fits:
+            return TargetResult(torch.from_numpy(logits), torch.from_numpy(h0), None, None)
+        # a caller's shorter cache (contract v1 allows it) gets the new tokens' K/V back, as target_batched.onnx does
+        presents = [[c[:, :, int(past.max()):] for c in kind] for kind in caches]
+        return TargetResult(torch.from_numpy(logits), torch.from_numpy(h0), *presents)
+
+    @staticmethod
+    def _room_for(k_cache, v_cache, past: np.ndarray, tokens: int):
+        """Copies of the caches with room for ``tokens`` more positions after the longest past."""
+        length = (int(past.max()) if past.size else 0) + tokens
+
+        def grown(cache):
+            room = torch.zeros(*cache.shape[:2], length, cache.shape[3], dtype=torch.float32)
+            room[:, :, : min(length, cache.shape[2])] = cache[:, :, :length]
+            return room
+        return [grown(c) for c in k_cache], [grown(c) for c in v_cache]
 
     def _target_in_place(self, binding, feeds: dict) -> TargetResult:
         """The ``gqa`` graph with each present bound to its past's memory (``binding``: :meth:`_binding_for`): the

@@ -115,6 +115,24 @@ def _attention_for(options: BuildOptions, cfg, chosen: str | None, progress: Cal
     return dataclasses.replace(options, attention="standard")
 
 
+def _native_compute_for(options: BuildOptions, models: _LoadedModels, chosen: str | None,
+                        progress: Callable[[str], None]) -> BuildOptions:
+    """``options`` with a target compute this model allows: the exact int8 kernel holds Llama layers without
+    biases and head sizes that are multiples of 16; other models get fp32 compute unless int8-exact was asked
+    for."""
+    from clover.export.native_target import native_target_supported
+
+    if options.target_compute != "int8-exact":
+        return options
+    reason = native_target_supported(models.model.config, {}, models.heads)
+    if reason is None:
+        return options
+    if chosen == "int8-exact":
+        raise ConfigError(f"--target-compute int8-exact: {reason}; use --target-compute fp32")
+    progress(f"{reason}: fp32 compute instead of int8-exact")
+    return dataclasses.replace(options, target_compute="fp32")
+
+
 # The demo engine's target: the GGUF's own 4-bit blocks with int8 activations in Clover's own CPU kernel, which
 # computes a token's row the same whatever else the pass holds, so speculative decoding reproduces its vanilla
 # decoding bit for bit. Not onnxruntime's int8-compute MatMulNBits: it gives a token other logits (by up to 1.2)
@@ -386,6 +404,7 @@ def build_engine(output: str | Path, target: str | None = "demo", drafter: str |
     with atomic_directory(output, overwrite) as tmp:
         models = _load_models(target, drafter, options, cache_dir, progress)
         options = _attention_for(options, models.model.config, chosen=build_options.get("attention"), progress=progress)
+        options = _native_compute_for(options, models, chosen=build_options.get("target_compute"), progress=progress)
         tensors, quantization, target_quantization = _export_graphs(tmp, models, options, progress, on_layer)
         models.tokenizer.save_pretrained(str(tmp))
         files = {"target": "target.onnx", "draft_step": "draft_step.onnx" if models.heads is not None else None}

@@ -23,7 +23,7 @@ FORMATS = ("q4_1", "q8_0")
 
 def native_target_supported(cfg, weights: dict[str, StoredWeight] | None, drafter=None) -> str | None:
     """None where the native target can hold this model, else why not (one line)."""
-    if weights is None or any(w.format not in FORMATS for w in weights.values()):
+    if weights is None or any(w.format not in FORMATS for w in weights.values()):  # {}: not read yet
         return "the exact int8 target reads Q4_1 / Q8_0 blocks (--target-weights q4)"
     if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
         return "the exact int8 target has no linear biases"
