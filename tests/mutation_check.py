@@ -45,6 +45,7 @@ class Mutant:
 
 
 QUANTIZED = ("tests/test_quantized_target.py", "tests/test_int4_target.py")  # lossless on 4- and 8-bit engines
+EXACT = ("tests/test_cpu_target.py", "tests/test_quantized_target.py")  # the exact int8 target's bitwise invariance
 DEVICE = ("tests/test_device_step.py",)  # the decode step on the device (docs/gpu-engine.md)
 DECODE = ("tests/test_lossless.py", "tests/test_kv_cache.py", *QUANTIZED, *DEVICE)  # the decode loop, its KV cache
 
@@ -103,6 +104,16 @@ MUTANTS = (
            (Patch("clover/serving/openai_frontend.py", "self.loop.call_later(self.drain_s, self.expired.set)",
                   "self.loop.call_soon(self.expired.set)"),),
            ("tests/test_openai_frontend.py",)),
+    Mutant("cpu_target_one_row_kernel", "the exact int8 target's matmul rounds a lone row's Q4_1 minimum term "
+                                        "otherwise than a row in a tile of several (as MLAS's M = 1 kernel does)",
+           (Patch("clover/kernels/cpu_target.cpp", "      mins[r] = mins[r] + m * a.ss(r0 + r)[b];",
+                  "      mins[r] = R == 1 ? std::fma(m, a.ss(r0 + r)[b], mins[r]) : mins[r] + m * a.ss(r0 + r)[b];"),),
+           EXACT),
+    Mutant("cpu_target_keys_in_slot_order", "the exact int8 target's attention reduces over a row's in-flight keys "
+                                            "in reverse slot order, not in their logical (depth) order",
+           (Patch("clover/kernels/cpu_target.cpp", "  for (int j = 0; j < tokens; ++j)\n    if ((static_cast",
+                  "  for (int j = tokens - 1; j >= 0; --j)\n    if ((static_cast"),),
+           EXACT),
 )
 BY_NAME = {m.name: m for m in MUTANTS}
 

@@ -209,7 +209,10 @@ void quantize_rows(const float* x, int ldx, int r0, int r1, const Activations& a
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// the one-row dot products, run for up to kRowTile rows per weight-block load
+// the one-row dot products, run for a tile of R rows x C columns: each weight block is loaded once for the R
+// rows, each activation block once for the C columns, and the R x C accumulations are independent chains (no
+// wait on one fmadd's latency). Every (row, column) runs the same operations in the same order whatever the
+// tile, so the tile shape never changes a bit.
 
 // 32 nibbles of a Q4_1 block in weight order: byte j holds weight j (low) and j + 16 (high)
 inline __m256i unpack_q4(const uint8_t* qs) {
@@ -219,53 +222,6 @@ inline __m256i unpack_q4(const uint8_t* qs) {
   return _mm256_set_m128i(hi, lo);
 }
 
-template <int R>
-void dot_q4_1(const uint8_t* w, int nb, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  float mins[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* block = w + static_cast<int64_t>(b) * kQ41Bytes;
-    const float d = f16(block), m = f16(block + 2);
-    const __m256i q4 = unpack_q4(block + 4);
-    for (int r = 0; r < R; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs(r0 + r) + b * kBlock));
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q4, x), ones));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.ds(r0 + r)[b]), sums, acc[r]);
-      mins[r] = mins[r] + m * a.ss(r0 + r)[b];
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float value = hsum(acc[r]) + mins[r];
-    float* o = out + (r0 + r) * ldo;
-    *o = accumulate ? *o + value : value;
-  }
-}
-
-template <int R>
-void dot_q8_0(const uint8_t* w, int nb, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* block = w + static_cast<int64_t>(b) * kQ80Bytes;
-    const float d = f16(block);
-    const __m256i q8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-    const __m256i magnitude = _mm256_sign_epi8(q8, q8);
-    for (int r = 0; r < R; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs(r0 + r) + b * kBlock));
-      const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, q8));
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.ds(r0 + r)[b]), sums, acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float* o = out + (r0 + r) * ldo;
-    *o = accumulate ? *o + hsum(acc[r]) : hsum(acc[r]);
-  }
-}
-
 struct Matrix {
   const uint8_t* data = nullptr;  // [N rows, K/32 blocks]
   int format = kFormatQ41;
@@ -273,30 +229,99 @@ struct Matrix {
   int64_t row_bytes() const { return static_cast<int64_t>(k / kBlock) * (format == kFormatQ41 ? kQ41Bytes : kQ80Bytes); }
 };
 
-template <int R>
-inline void dot_rows(const Matrix& w, int col, const Activations& a, int r0, float* out, int64_t ldo, bool acc) {
-  const uint8_t* row = w.data + col * w.row_bytes();
-  if (w.format == kFormatQ41)
-    dot_q4_1<R>(row, w.k / kBlock, a, r0, out + col, ldo, acc);
-  else
-    dot_q8_0<R>(row, w.k / kBlock, a, r0, out + col, ldo, acc);
+inline void store(float* o, float value, bool accumulate) { *o = accumulate ? *o + value : value; }
+
+template <int R, int C>
+void tile_q4_1(const Matrix& w, int c0, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int nb = w.k / kBlock;
+  const int64_t stride = w.row_bytes();
+  const uint8_t* col = w.data + c0 * stride;
+  __m256 acc[R][C];
+  float mins[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps(), mins[r][c] = 0.0f;
+  for (int b = 0; b < nb; ++b) {
+    float d[C], m[C];
+    __m256i q4[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = col + c * stride + static_cast<int64_t>(b) * kQ41Bytes;
+      d[c] = f16(block), m[c] = f16(block + 2), q4[c] = unpack_q4(block + 4);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs(r0 + r) + b * kBlock));
+      const float dx = a.ds(r0 + r)[b], sx = a.ss(r0 + r)[b];
+      for (int c = 0; c < C; ++c) {
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q4[c], x), ones));
+        acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(d[c] * dx), sums, acc[r][c]);
+        mins[r][c] = mins[r][c] + m[c] * sx;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store(out + (r0 + r) * ldo + c0 + c, hsum(acc[r][c]) + mins[r][c], accumulate);
 }
 
-// out[r, col] (+)= a[r] . w[col] for every row, columns [c0, c1): columns in tiles of 16 so a tile's weights
+template <int R, int C>
+void tile_q8_0(const Matrix& w, int c0, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int nb = w.k / kBlock;
+  const int64_t stride = w.row_bytes();
+  const uint8_t* col = w.data + c0 * stride;
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    float d[C];
+    __m256i q8[C], magnitude[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = col + c * stride + static_cast<int64_t>(b) * kQ80Bytes;
+      d[c] = f16(block);
+      q8[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+      magnitude[c] = _mm256_sign_epi8(q8[c], q8[c]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs(r0 + r) + b * kBlock));
+      const float dx = a.ds(r0 + r)[b];
+      for (int c = 0; c < C; ++c) {
+        const __m256i products = _mm256_maddubs_epi16(magnitude[c], _mm256_sign_epi8(x, q8[c]));
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
+        acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(d[c] * dx), sums, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store(out + (r0 + r) * ldo + c0 + c, hsum(acc[r][c]), accumulate);
+}
+
+template <int R, int C>
+inline void tile(const Matrix& w, int c0, const Activations& a, int r0, float* out, int64_t ldo, bool acc) {
+  if (w.format == kFormatQ41)
+    tile_q4_1<R, C>(w, c0, a, r0, out, ldo, acc);
+  else
+    tile_q8_0<R, C>(w, c0, a, r0, out, ldo, acc);
+}
+
+// rows [r0, r0 + R) over columns [c0, c1): tiles of C columns, then one column at a time
+template <int R, int C>
+void rows_over_columns(const Matrix& w, const Activations& a, int r0, float* out, int64_t ldo, bool acc, int c0, int c1) {
+  int c = c0;
+  for (; c + C <= c1; c += C) tile<R, C>(w, c, a, r0, out, ldo, acc);
+  for (; c < c1; ++c) tile<R, 1>(w, c, a, r0, out, ldo, acc);
+}
+
+// out[r, col] (+)= a[r] . w[col] for every row, columns [c0, c1): columns in chunks of 16 so a chunk's weights
 // stay in L1 while every row tile passes over them
 void matmul_columns(const Matrix& w, const Activations& a, int rows, float* out, int64_t ldo, bool acc, int c0, int c1) {
-  constexpr int kColTile = 16;
-  for (int t0 = c0; t0 < c1; t0 += kColTile) {
-    const int t1 = std::min(c1, t0 + kColTile);
+  constexpr int kColChunk = 16;
+  for (int t0 = c0; t0 < c1; t0 += kColChunk) {
+    const int t1 = std::min(c1, t0 + kColChunk);
     int r = 0;
-    for (; r + kRowTile <= rows; r += kRowTile)
-      for (int c = t0; c < t1; ++c) dot_rows<kRowTile>(w, c, a, r, out, ldo, acc);
+    for (; r + kRowTile <= rows; r += kRowTile) rows_over_columns<kRowTile, 2>(w, a, r, out, ldo, acc, t0, t1);
     const int left = rows - r;
-    for (int c = t0; c < t1; ++c) {
-      if (left == 3) dot_rows<3>(w, c, a, r, out, ldo, acc);
-      if (left == 2) dot_rows<2>(w, c, a, r, out, ldo, acc);
-      if (left == 1) dot_rows<1>(w, c, a, r, out, ldo, acc);
-    }
+    if (left == 3) rows_over_columns<3, 2>(w, a, r, out, ldo, acc, t0, t1);
+    if (left == 2) rows_over_columns<2, 4>(w, a, r, out, ldo, acc, t0, t1);
+    if (left == 1) rows_over_columns<1, 4>(w, a, r, out, ldo, acc, t0, t1);
   }
 }
 

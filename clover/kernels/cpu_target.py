@@ -218,6 +218,7 @@ class NativeTarget:
         addresses = tuple(_data_ptr(t) for t in (*k_cache, *v_cache))
         known, arrays = self._pointer_arrays
         if known != addresses:
+            _check_caches(k_cache, v_cache, self.config)
             n = len(k_cache)
             arrays = ((ctypes.POINTER(ctypes.c_float) * n)(*[ctypes.cast(a, ctypes.POINTER(ctypes.c_float))
                                                              for a in addresses[:n]]),
@@ -233,6 +234,8 @@ class NativeTarget:
             raise ValueError(f"token ids must lie in [0, {c['vocab_size']})")
         if position_ids.size and (position_ids.min() < 0 or position_ids.max() >= self.max_positions):
             raise ValueError(f"positions must lie in [0, {self.max_positions})")
+        if k_cache[0].shape[0] < input_ids.shape[0] or len(past_lengths) != input_ids.shape[0]:
+            raise ValueError("one past length and one cache row per sequence of the pass")
         if past_lengths.size and int(past_lengths.max()) + input_ids.shape[1] > k_cache[0].shape[2]:
             raise RuntimeError("KV cache overflow: a sequence is longer than max_seq_len")
 
@@ -241,6 +244,23 @@ class NativeTarget:
         if handle:
             self._lib.clover_model_free(handle)
             self._handle = None
+
+
+def _check_caches(k_cache: list, v_cache: list, config: dict) -> None:
+    """ValueError unless the caches are what the library writes into: one per KV layer, contiguous fp32 (on the
+    CPU) ``[B, Hkv, S, D]``, keys and values of one shape."""
+    layers = config["num_layers"] + bool(config["augment"])
+    if len(k_cache) != layers or len(v_cache) != layers:
+        raise ValueError(f"the exact int8 target needs {layers} KV layers, got {len(k_cache)} and {len(v_cache)}")
+    shape = tuple(k_cache[0].shape)
+    for t in (*k_cache, *v_cache):
+        contiguous = t.is_contiguous() if hasattr(t, "is_contiguous") else t.flags.c_contiguous
+        on_cpu = getattr(getattr(t, "device", None), "type", "cpu") == "cpu"
+        if not (contiguous and on_cpu and str(t.dtype).endswith("float32") and tuple(t.shape) == shape):
+            raise ValueError("the exact int8 target writes the KV cache in place: contiguous fp32 CPU tensors of "
+                             "one shape only")
+    if shape[1:2] != (config["num_kv_heads"],) or shape[3:] != (config["head_dim"],):
+        raise ValueError(f"KV cache of shape {shape}: not [B, {config['num_kv_heads']}, S, {config['head_dim']}]")
 
 
 def _data_ptr(tensor) -> int:
