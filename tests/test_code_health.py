@@ -1,5 +1,5 @@
 """Structural rules of the code base: no import cycles in clover/, training/ or the whole tree, the training pipeline apart from its
-experiments and recipes, a light CLI import, short functions, no private names used across modules, no sys.path
+experiments and recipes, a light CLI import and a torch-free ``--help``, short functions, no private names used across modules, no sys.path
 edits outside tests, no method names compared outside the proposers' factory (and the drafter architectures'
 config)."""
 
@@ -268,6 +268,35 @@ def test_cli_import_does_not_load_the_serving_package():
     assert not loaded, f"import clover.cli loads {loaded}"
 
 
+HELP_COMMANDS = ([], ["generate"], ["serve"], ["client"], ["build"])
+LOADED_MARK = "loaded torch modules:"
+
+
+def help_output(command: list[str]) -> tuple[str, list[str]]:
+    """(the help text, the torch modules loaded) of ``clover COMMAND --help``, in a fresh interpreter."""
+    code = ("import sys\nfrom clover.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            f"print({LOADED_MARK!r}, *sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
+    out = subprocess.run([sys.executable, "-c", code, *command, "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and LOADED_MARK in out.stdout, out.stderr
+    text, _, loaded = out.stdout.rpartition(LOADED_MARK)
+    return text, loaded.split()
+
+
+def test_help_imports_no_torch():
+    """``clover --help`` and every command's ``--help`` answer without importing torch, which took most of their
+    3 s (issue 57); counted in a subprocess, not timed."""
+    for command in HELP_COMMANDS:
+        text, loaded = help_output(command)
+        assert text.startswith(" ".join(["usage: clover", *command])), text[:200]
+        assert not loaded, f"clover {' '.join(command)} --help imports {loaded[:5]}"
+
+
+def test_help_names_the_defaults_of_cache_dir_and_threads():
+    assert "(default: $CLOVER_CACHE_DIR, else ~/.cache/clover)" in " ".join(help_output(["build"])[0].split())
+    assert "default: each library's own choice" in " ".join(help_output(["generate"])[0].split())
+
+
 def long_functions() -> list[str]:
     found = []
     for directory in FUNCTION_DIRS:
@@ -394,16 +423,16 @@ def test_no_sys_path_edits_outside_tests():
     assert not found, "sys.path edited outside tests/ (run the script with python -m instead):\n" + "\n".join(found)
 
 
-# Decoding methods are named in clover/proposers.py (the factory: METHODS, method_traits) and drafter
-# architectures in clover/config.py (DRAFTER_METHODS, DrafterConfig's capabilities); everywhere else asks their
-# traits, never compares a name (issue 46).
-METHOD_NAME_HOMES = ("clover/proposers.py", "clover/config.py")
+# Decoding methods are named in clover/methods.py (METHODS, method_traits), clover/proposers.py (the factory) and
+# drafter architectures in clover/config.py (DRAFTER_METHODS, DrafterConfig's capabilities); everywhere else asks
+# their traits, never compares a name (issue 46).
+METHOD_NAME_HOMES = ("clover/methods.py", "clover/proposers.py", "clover/config.py")
 AUTO = "auto"  # a method name only where compared with something named method (backend, device... use it too)
 
 
 def method_vocabulary() -> frozenset[str]:
     from clover.config import DRAFTER_METHODS
-    from clover.proposers import METHODS
+    from clover.methods import METHODS
 
     return frozenset(METHODS) | frozenset(DRAFTER_METHODS)
 
@@ -460,11 +489,11 @@ def test_method_name_check_catches_every_form(tmp_path):
 
 
 def test_no_method_name_comparisons_outside_the_factory():
-    """A call site asks :func:`clover.proposers.method_traits` (or a :class:`~clover.config.DrafterConfig`
+    """A call site asks :func:`clover.methods.method_traits` (or a :class:`~clover.config.DrafterConfig`
     capability) what a method does, so a new method is one entry in the factory, not a hunt through the code."""
     vocabulary = method_vocabulary()
     files = [p for p in sorted((ROOT / PACKAGE).rglob("*.py")) if str(p.relative_to(ROOT)) not in METHOD_NAME_HOMES]
     assert len(files) > 30, "the package was not read"
     found = [use for path in files for use in method_name_comparisons(path, vocabulary)]
-    assert not found, ("method names compared outside clover/proposers.py and clover/config.py (ask "
-                       "proposers.method_traits or a DrafterConfig capability):\n" + "\n".join(found))
+    assert not found, ("method names compared outside clover/methods.py, clover/proposers.py and clover/config.py "
+                       "(ask methods.method_traits or a DrafterConfig capability):\n" + "\n".join(found))
