@@ -359,7 +359,8 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--model-repository", type=Path, help="serve this model repository as it is (ignores --engine)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server to be ready")
     p.add_argument("--log-file", type=Path, help="where tritonserver's log (and the OpenAI frontend's) go; "
-                   "default: a new clover-serve-<time>-<pid>.log in the temp directory, named at startup; "
+                   "default: a new clover-serve-<time>-<pid>.log in the temp directory, named at startup, "
+                   "removed after a clean exit and kept after a failure; "
                    "'-': the terminal")
     p.add_argument("--demo", action="store_true", help="the end-to-end demo instead: build the demo engine if missing, "
                    "start the server, stream answers to two prompts (one copied, one new prose), report each one's "
