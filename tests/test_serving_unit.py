@@ -816,12 +816,17 @@ def test_server_environment_runs_this_python(tmp_path):
         assert install.stub.parent.name == f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def test_serve_without_an_engine_says_how_to_build_one(tmp_path, capsys):
+def test_serve_without_an_engine_says_how_to_build_one(tmp_path, capsys, monkeypatch):
     from clover.cli import main
 
     assert main(["serve", "--engine", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert "no engine at" in err and "clover build --output" in err
+    monkeypatch.setenv("CLOVER_HOME", str(tmp_path / "home"))  # no engine named: it says what chose the place
+    monkeypatch.delenv("CLOVER_ENGINE_DIR", raising=False)
+    assert main(["serve", "--backend", "onnxruntime"]) == 2
+    assert f"no engine at {tmp_path / 'home' / 'engines' / 'demo'} (engines/demo of $CLOVER_HOME)" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

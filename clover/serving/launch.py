@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from clover.config import ConfigError
-from clover.demo import default_engine_dir
+from clover.demo import default_engine_dir, default_engine_source
 from clover.serving.repository import MODEL_NAME, write_repository
 from clover.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, ServerError, TritonServer, free_port
 
@@ -49,8 +49,9 @@ def resolve_serve_engine(engine: str | Path | None, backend: str = "auto") -> Pa
     """The engine directory to serve; ConfigError with the build command if there is none."""
     engine_dir = Path(engine) if engine is not None else default_engine_dir()
     if backend != "torch" and not (engine_dir / "engine.json").exists():
-        raise ConfigError(f"no engine at {engine_dir}; build it with: clover build --output {engine_dir}   "
-                          "(or pass --engine DIR)")
+        chosen_by = f" ({default_engine_source()})" if engine is None else ""  # where a newcomer did not look
+        raise ConfigError(f"no engine at {engine_dir}{chosen_by}; build it with: clover build --output {engine_dir}"
+                          "   (or pass --engine DIR)")
     return engine_dir
 
 
