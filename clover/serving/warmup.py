@@ -14,6 +14,8 @@ first burst runs nothing the warm-up did not.
 from __future__ import annotations
 
 import dataclasses
+import gc
+from typing import Callable
 
 from clover.decode import GenerationRequest, SpeculativeDecoder, StepEvent
 from clover.prompts import encode_prompt
@@ -79,3 +81,13 @@ def warm_up(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> WarmUp:
 def warm_up_prompt(tokenizer) -> list[int]:
     """The warm-up prompt's token ids, as a chat request's would be."""
     return encode_prompt(tokenizer, WARM_UP_PROMPT, chat=True)
+
+
+def warm_up_throwaway(make_decoder: Callable[[], SpeculativeDecoder], tokenizer) -> WarmUp:
+    """:func:`warm_up` on a decoder of its own, freed before this returns: its KV cache (device memory on a GPU)
+    is gone before the serving decoder allocates one, even where reference cycles would keep it until a collection."""
+    decoder = make_decoder()
+    done = warm_up(decoder, warm_up_prompt(tokenizer))
+    del decoder
+    gc.collect()
+    return done
