@@ -11,7 +11,7 @@ from pathlib import Path
 
 from clover.config import (CHECKPOINT_DTYPES, PROPOSERS, ConfigError, SamplingConfig, TreeConfig,
                            sampling_range_error)
-from clover.proposers import DEFAULT_METHOD, METHOD_CHOICES, METHODS, method_traits
+from clover.methods import DEFAULT_METHOD, METHOD_CHOICES, METHODS, method_traits
 from clover.speed_report import report_lines
 
 
@@ -108,7 +108,8 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--batch-size", type=_positive, default=8, help="sequences decoded together at most")
     p.add_argument("--max-seq-len", type=_positive, default=2048, help="KV cache length per sequence")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch / onnxruntime")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch / onnxruntime "
+                   "(default: each library's own choice, about one per physical core)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="decode the prompts again with vanilla decoding and report the speed-up and, where "
                         "speculation did not pay, why (as clover serve --demo does); default: on with --prompt, "
@@ -358,7 +359,8 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--model-repository", type=Path, help="serve this model repository as it is (ignores --engine)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server to be ready")
     p.add_argument("--log-file", type=Path, help="where tritonserver's log (and the OpenAI frontend's) go; "
-                   "default: a new clover-serve-<time>-<pid>.log in the temp directory, named at startup; "
+                   "default: a new clover-serve-<time>-<pid>.log in the temp directory, named at startup, "
+                   "removed after a clean exit and kept after a failure; "
                    "'-': the terminal")
     p.add_argument("--demo", action="store_true", help="the end-to-end demo instead: build the demo engine if missing, "
                    "start the server, stream answers to two prompts (one copied, one new prose), report each one's "

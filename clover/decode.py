@@ -31,8 +31,8 @@ from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
 from clover.host_ops import as_numpy, cpu_tensor, take_rows
 from clover.prompts import refuse_empty_prompt
-from clover.proposers import (Proposer, check_method, make_proposer, method_traits, suffix_candidates_on,
-                              uses_heads)
+from clover.methods import check_method, method_traits, suffix_candidates_on, uses_heads
+from clover.proposers import Proposer, make_proposer
 from clover.tree import TreeBatch
 from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
 

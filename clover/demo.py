@@ -60,6 +60,27 @@ def default_engine_dir(repository_parent: str | Path | None = None) -> Path:
     return Path(repository_parent or clover_home()) / DEFAULT_ENGINE_SUBDIR
 
 
+def default_engine_source() -> str:
+    """Why :func:`default_engine_dir` is where it is, in words: which variable named it, or which default applied
+    (for the line that says why the demo engine is built: an editable install keeps it in the checkout, where a
+    newcomer may not look for it)."""
+    if os.environ.get(ENGINE_ENV):
+        return f"${ENGINE_ENV}"
+    if os.environ.get(HOME_ENV):
+        return f"engines/demo of ${HOME_ENV}"
+    where = "the checkout this package runs from" if source_checkout() else "~/.cache/clover"
+    return f"engines/demo of {where}: ${HOME_ENV} is unset; set it, or ${ENGINE_ENV}, to keep engines elsewhere"
+
+
+def demo_engine_build_reason(engine_dir: Path, exists: bool, default: bool) -> str:
+    """One line on why the demo engine in ``engine_dir`` is (re)built: there is none there (``exists`` False), or
+    the one there predates the shipped heads or the default build options; ``default``: the directory was not named
+    (:func:`default_engine_source` says why it is that one)."""
+    if exists:
+        return f"the demo engine in {engine_dir} predates the shipped heads or the default build options"
+    return f"no demo engine in {engine_dir} yet" + (f" ({default_engine_source()})" if default else "")
+
+
 def _user_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover"
 

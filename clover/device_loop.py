@@ -22,7 +22,8 @@ from clover.config import TreeConfig
 from clover.device_step import given_arrays, sampling_arrays
 from clover.engine_contract import Engine
 from clover.kv_cache import KVCache
-from clover.proposers import Proposer, method_traits, uses_heads
+from clover.methods import method_traits, uses_heads
+from clover.proposers import Proposer
 from clover.stats import StepOutcome
 
 

@@ -20,6 +20,7 @@ import time
 import torch
 
 from scripts import gpu_check_report as report
+from scripts.gpu_check_common import Skip, built_kernel, on_device, require_transformers, shape_name
 
 NEW_TOKENS = 24
 # ../shared/probes/gpu_graph_pass.py on one H200, 2026-12-04: a compiled layer + CUDA graph, ms (issue 44)
@@ -52,8 +53,6 @@ def lossless_rows(ctx) -> list[list]:
     from clover.backends.device import DeviceEngine
     from tests.helpers import DeviceOracleEngine, hf_greedy, random_prompts
     from tests.random_models import make_drafter, make_target
-
-    from scripts.gpu_check_steps import on_device
 
     target = make_target(seed=3, head_dim=64)
     rows = []
@@ -141,7 +140,6 @@ def step_engines(ctx, plan: EnginePlan):
     """(vanilla engine, Clover engine) over one random-weight target of the plan's shape."""
     from clover.backends.device import DeviceEngine
     from clover.drafters import Drafter, new_drafter_config
-    from scripts.gpu_check_steps import shape_name
     from training.experiments import cost_probe
 
     shape_name(ctx)  # registers the tiny shape
@@ -216,7 +214,6 @@ def attention_engines(ctx, vanilla, plan: EnginePlan) -> tuple[dict, str | None]
     """{"sdpa": engine, "kernel": engine} over the vanilla engine's target, each with its attention forced; the
     kernel's only when kernel_build passed in this run (its extension is then loaded, not rebuilt), else why not."""
     from clover.backends.device import DeviceEngine
-    from scripts.gpu_check_steps import built_kernel
 
     engines = {"sdpa": DeviceEngine(vanilla.target_step.target, None, max_seq_len=plan.max_seq_len, attention="sdpa")}
     extension, why_not = built_kernel(ctx)
@@ -321,8 +318,6 @@ def aim_rows(verify_rows, step_rows, plan: EnginePlan) -> list[list]:
 
 
 def gpu_engine(ctx) -> dict:
-    from scripts.gpu_check_steps import require_transformers
-
     require_transformers()
     rows = lossless_rows(ctx)
     columns = ["case", "batch", "status", "tokens/step", "CUDA graphs", "vs generate()"]
@@ -358,8 +353,6 @@ def demo_inputs(ctx):
 
         target = make_target(seed=5)
         return target, make_drafter(target, num_heads=3, seed=15), random_prompts(5, 4, 97, 3, 16), "tiny random"
-    from scripts.gpu_check_steps import Skip
-
     from clover.config import ConfigError
     from clover.demo import DemoModelMissing, resolve_target, shipped_heads
     from clover.drafters import load_drafter

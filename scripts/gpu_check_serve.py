@@ -13,6 +13,7 @@ import threading
 import time
 
 from scripts import gpu_check_report as report
+from scripts.gpu_check_common import Skip
 
 CONCURRENT = 8
 NEW_TOKENS = 24
@@ -85,7 +86,6 @@ def _rows(server, checkpoint, concurrent: dict) -> list[list]:
 
 def gpu_serve(ctx) -> dict:
     from clover.serving.server import ServerError, find_tritonserver
-    from scripts.gpu_check_steps import Skip
 
     try:
         install = find_tritonserver()

@@ -8,9 +8,7 @@ exception is recorded as an error. Shapes: the GPU run uses the Llama-3-8B shape
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import importlib.util
 import json
 import os
 import random
@@ -23,32 +21,11 @@ from pathlib import Path
 import torch
 
 from scripts import gpu_check_engine, gpu_check_serve, gpu_check_report as report
+from scripts.gpu_check_common import (REPO, Context, Skip, built_kernel, load_kernel, on_device, require_transformers,
+                                      shape_name)
 from scripts.gpu_check_attention import attention_variants, gpu_checks_module, kernel_attention, use_attention
 
-REPO = Path(__file__).resolve().parents[1]
-TINY_SHAPE_NAME = "gpu-check-tiny"
 LOSSLESS_NEW_TOKENS = 24
-
-
-class Skip(Exception):
-    """The step cannot run here; the message says why."""
-
-
-@dataclasses.dataclass
-class Context:
-    dry_run: bool
-    out: Path
-    build_dir: Path
-    fault: str | None
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu" if self.dry_run else "cuda")
-
-    def prior(self, step: str) -> dict:
-        """An earlier step's result in this run ({} if it did not run)."""
-        path = self.out / "steps" / f"{step}.json"
-        return json.loads(path.read_text()) if path.exists() else {}
 
 
 def run_step(args) -> int:
@@ -69,44 +46,7 @@ def run_step(args) -> int:
     return 0
 
 
-def shape_name(ctx: Context) -> str:
-    """The cost_probe shape of this run; the tiny one is registered there so cost_probe's CLI accepts it."""
-    from training.experiments import cost_probe
-
-    cost_probe.SHAPES.setdefault(TINY_SHAPE_NAME, cost_probe.SHAPES["tiny"])
-    return TINY_SHAPE_NAME if ctx.dry_run else "llama3-8b"
-
-
 # -- the kernel --------------------------------------------------------------------------------------------
-
-
-class _OffByTolerance:
-    """``--inject-fault kernel``: the kernel's output plus 0.1, beyond every dtype's tolerance."""
-
-    def __init__(self, ext) -> None:
-        self.ext = ext
-
-    def tree_attention(self, *args):
-        return self.ext.tree_attention(*args) + 0.1
-
-    def num_splits(self, *args):
-        return self.ext.num_splits(*args)
-
-
-def load_kernel(ctx: Context):
-    from clover.kernels.tree_attention import load_extension
-
-    ext = load_extension(verbose=True, build_directory=str(ctx.build_dir))
-    return _OffByTolerance(ext) if ctx.fault == "kernel" else ext
-
-
-def built_kernel(ctx: Context):
-    """(extension, None) when kernel_build passed in this run, else (None, why not)."""
-    if ctx.dry_run or not torch.cuda.is_available():
-        return None, "no CUDA (dry run)" if ctx.dry_run else "no CUDA device"
-    if ctx.prior("kernel_build").get("status") != "pass":
-        return None, "kernel_build did not pass in this run"
-    return load_kernel(ctx), None
 
 
 def kernel_build(ctx: Context) -> dict:
@@ -186,20 +126,6 @@ DECODE_CASES = (
     DecodeCase("Clover, oracle heads", "clover", oracle=True),
     DecodeCase("Clover, random heads, CUDA kernel", "clover", drafter="clover", kernel=True),
 )
-
-
-def require_transformers() -> None:
-    if importlib.util.find_spec("transformers") is None:
-        raise Skip("transformers is not installed: the reference is transformers generate() (pip install transformers)")
-
-
-def on_device(target, ctx: Context):
-    """A copy of the target on the device; ``--inject-fault lossless`` negates its LM head there."""
-    copied = copy.deepcopy(target).to(ctx.device)
-    if ctx.fault == "lossless":
-        with torch.no_grad():
-            copied.lm_head.weight.neg_()
-    return copied
 
 
 def decode_engine(case: DecodeCase, target, prompts, expected, ctx: Context):

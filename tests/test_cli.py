@@ -160,6 +160,35 @@ def test_engines_live_in_clover_home_never_in_site_packages(monkeypatch, tmp_pat
     assert demo.default_engine_dir() == tmp_path / "engine"
 
 
+def test_a_demo_engine_build_says_why_in_one_line(monkeypatch, tmp_path):
+    """clover generate (and clover serve --demo) build the demo engine where there is none, or none built the
+    current way: the line says which, where, and which variable chose the place (issue 57: an editable install
+    rebuilt it into the checkout for 51 s without a word of why)."""
+    from clover.export import builder
+
+    built = []
+    monkeypatch.setattr(builder, "build_engine", lambda out, *args, **kwargs: built.append(Path(out)))
+    for name in ("CLOVER_HOME", "CLOVER_ENGINE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(demo, "source_checkout", lambda: tmp_path)  # an editable install, in a checkout here
+    said: list[str] = []
+    assert builder.ensure_demo_engine(progress=said.append) == tmp_path / "engines" / "demo" == built[-1]
+    assert said[-1].startswith(f"no demo engine in {tmp_path / 'engines' / 'demo'} yet (engines/demo of the "
+                               "checkout this package runs from: $CLOVER_HOME is unset; set it, or "
+                               "$CLOVER_ENGINE_DIR, to keep engines elsewhere): building it"), said
+    monkeypatch.setenv("CLOVER_HOME", str(tmp_path / "home"))
+    stale = tmp_path / "home" / "engines" / "demo"
+    stale.mkdir(parents=True)
+    (stale / "engine.json").write_text("{}")  # an engine.json that is no current demo engine
+    builder.ensure_demo_engine(progress=said.append)
+    assert said[-1].startswith(f"the demo engine in {stale} predates the shipped heads or the default build "
+                               "options: building it"), said
+    monkeypatch.setenv("CLOVER_ENGINE_DIR", str(tmp_path / "named"))
+    builder.ensure_demo_engine(progress=said.append)
+    assert said[-1].startswith(f"no demo engine in {tmp_path / 'named'} yet ($CLOVER_ENGINE_DIR)"), said
+    assert len(said) == 3 and all("\n" not in line for line in said)
+
+
 def test_stop_strings_cut_text_and_tokens(tiny_checkpoint):
     from clover.backends.torch import TorchEngine
     from clover.prompts import encode_prompt

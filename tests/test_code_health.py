@@ -1,5 +1,5 @@
-"""Structural rules of the code base: no import cycles in clover/ or training/, the training pipeline apart from its
-experiments and recipes, a light CLI import, short functions, no private names used across modules, no sys.path
+"""Structural rules of the code base: no import cycles in clover/, training/ or the whole tree, the training pipeline apart from its
+experiments and recipes, a light CLI import and a torch-free ``--help``, short functions, no private names used across modules, no sys.path
 edits outside tests, no method names compared outside the proposers' factory (and the drafter architectures'
 config)."""
 
@@ -33,21 +33,22 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_nodes(node: ast.AST):
+def _import_nodes(node: ast.AST, type_checking: bool = False):
     """Every Import / ImportFrom in ``node`` at any depth (functions, classes, try blocks...), except under
-    ``if TYPE_CHECKING:`` (its ``else`` branch does run, so it is kept)."""
+    ``if TYPE_CHECKING:`` unless ``type_checking`` (its ``else`` branch does run, so it is kept)."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
-        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+        elif isinstance(child, ast.If) and _is_type_checking(child.test) and not type_checking:
             for other in child.orelse:
                 yield from _import_nodes(ast.Module(body=[other], type_ignores=[]))
         else:
-            yield from _import_nodes(child)
+            yield from _import_nodes(child, type_checking)
 
 
-def imported_modules(name: str, path: Path, modules: set[str]) -> list[tuple[str, int]]:
-    """(clover module, line) for each import in module ``name``.
+def imported_modules(name: str, path: Path, modules: set[str], type_checking: bool = False) -> list[tuple[str, int]]:
+    """(module of ``modules``, line) for each import in module ``name`` (``type_checking``: also those under
+    ``if TYPE_CHECKING:``).
 
     ``import clover.a.b`` and ``from clover.a import b`` (b a submodule) import ``clover.a.b``; their implicit
     imports of the parent packages are not counted. ``from clover.a import x`` (x not a module) imports
@@ -56,7 +57,7 @@ def imported_modules(name: str, path: Path, modules: set[str]) -> list[tuple[str
     tree = ast.parse(path.read_text(), filename=str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
-    for node in _import_nodes(tree):
+    for node in _import_nodes(tree, type_checking):
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
             continue
@@ -72,13 +73,13 @@ def imported_modules(name: str, path: Path, modules: set[str]) -> list[tuple[str
     return [(module, line) for module, line in found if module in modules]
 
 
-def import_graph(packages: tuple[str, ...] | None = None) -> dict[str, dict[str, int]]:
+def import_graph(packages: tuple[str, ...] | None = None, type_checking: bool = False) -> dict[str, dict[str, int]]:
     """module -> {imported module of ``packages`` (default clover): first line}."""
     modules = _package_modules(packages)
     graph: dict[str, dict[str, int]] = {}
     for name, path in modules.items():
         edges: dict[str, int] = {}
-        for target, line in imported_modules(name, path, set(modules)):
+        for target, line in imported_modules(name, path, set(modules), type_checking):
             edges.setdefault(target, line)
         graph[name] = edges
     return graph
@@ -193,6 +194,31 @@ def test_no_import_cycles_in_training():
     assert not cycles, "import cycles among clover and training modules:\n" + "\n".join(cycles)
 
 
+WHOLE_TREE = ("clover", "training", "scripts", "benchmarks", "tests", "export", "trt_plugins")  # every Python directory
+
+
+def test_no_import_cycles_in_the_whole_tree():
+    """Every directory of Python code together, with function-level imports and those under ``if TYPE_CHECKING:``
+    counted: a circle is broken by moving what both sides share down a module (scripts/gpu_check_common.py,
+    training/train_config.py), not hidden by importing later or only for the type checker."""
+    graph = import_graph(WHOLE_TREE, type_checking=True)
+    assert "scripts.gpu_check_common" in graph["scripts.gpu_check_engine"] and \
+        "training.train_config" in graph["training.run_dir"] and "tests.helpers" in graph, "the graph was not read"
+    cycles = _cycle_report(graph, WHOLE_TREE)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_type_checking_imports_count_where_asked(tmp_path, monkeypatch):
+    package = tmp_path / PACKAGE
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from clover import b\n")
+    (package / "b.py").write_text("from clover import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert find_cycles(import_graph()) == []
+    assert find_cycles(import_graph(type_checking=True)) == [["clover.a", "clover.b", "clover.a"]]
+
+
 EXPERIMENTS = "training.experiments"  # one-off probes: they import the pipeline, never the reverse
 
 
@@ -240,6 +266,35 @@ def test_cli_import_does_not_load_the_serving_package():
     assert out.returncode == 0, out.stderr
     loaded = out.stdout.split()
     assert not loaded, f"import clover.cli loads {loaded}"
+
+
+HELP_COMMANDS = ([], ["generate"], ["serve"], ["client"], ["build"])
+LOADED_MARK = "loaded torch modules:"
+
+
+def help_output(command: list[str]) -> tuple[str, list[str]]:
+    """(the help text, the torch modules loaded) of ``clover COMMAND --help``, in a fresh interpreter."""
+    code = ("import sys\nfrom clover.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            f"print({LOADED_MARK!r}, *sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
+    out = subprocess.run([sys.executable, "-c", code, *command, "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and LOADED_MARK in out.stdout, out.stderr
+    text, _, loaded = out.stdout.rpartition(LOADED_MARK)
+    return text, loaded.split()
+
+
+def test_help_imports_no_torch():
+    """``clover --help`` and every command's ``--help`` answer without importing torch, which took most of their
+    3 s (issue 57); counted in a subprocess, not timed."""
+    for command in HELP_COMMANDS:
+        text, loaded = help_output(command)
+        assert text.startswith(" ".join(["usage: clover", *command])), text[:200]
+        assert not loaded, f"clover {' '.join(command)} --help imports {loaded[:5]}"
+
+
+def test_help_names_the_defaults_of_cache_dir_and_threads():
+    assert "(default: $CLOVER_CACHE_DIR, else ~/.cache/clover)" in " ".join(help_output(["build"])[0].split())
+    assert "default: each library's own choice" in " ".join(help_output(["generate"])[0].split())
 
 
 def long_functions() -> list[str]:
@@ -368,16 +423,16 @@ def test_no_sys_path_edits_outside_tests():
     assert not found, "sys.path edited outside tests/ (run the script with python -m instead):\n" + "\n".join(found)
 
 
-# Decoding methods are named in clover/proposers.py (the factory: METHODS, method_traits) and drafter
-# architectures in clover/config.py (DRAFTER_METHODS, DrafterConfig's capabilities); everywhere else asks their
-# traits, never compares a name (issue 46).
-METHOD_NAME_HOMES = ("clover/proposers.py", "clover/config.py")
+# Decoding methods are named in clover/methods.py (METHODS, method_traits), clover/proposers.py (the factory) and
+# drafter architectures in clover/config.py (DRAFTER_METHODS, DrafterConfig's capabilities); everywhere else asks
+# their traits, never compares a name (issue 46).
+METHOD_NAME_HOMES = ("clover/methods.py", "clover/proposers.py", "clover/config.py")
 AUTO = "auto"  # a method name only where compared with something named method (backend, device... use it too)
 
 
 def method_vocabulary() -> frozenset[str]:
     from clover.config import DRAFTER_METHODS
-    from clover.proposers import METHODS
+    from clover.methods import METHODS
 
     return frozenset(METHODS) | frozenset(DRAFTER_METHODS)
 
@@ -434,11 +489,11 @@ def test_method_name_check_catches_every_form(tmp_path):
 
 
 def test_no_method_name_comparisons_outside_the_factory():
-    """A call site asks :func:`clover.proposers.method_traits` (or a :class:`~clover.config.DrafterConfig`
+    """A call site asks :func:`clover.methods.method_traits` (or a :class:`~clover.config.DrafterConfig`
     capability) what a method does, so a new method is one entry in the factory, not a hunt through the code."""
     vocabulary = method_vocabulary()
     files = [p for p in sorted((ROOT / PACKAGE).rglob("*.py")) if str(p.relative_to(ROOT)) not in METHOD_NAME_HOMES]
     assert len(files) > 30, "the package was not read"
     found = [use for path in files for use in method_name_comparisons(path, vocabulary)]
-    assert not found, ("method names compared outside clover/proposers.py and clover/config.py (ask "
-                       "proposers.method_traits or a DrafterConfig capability):\n" + "\n".join(found))
+    assert not found, ("method names compared outside clover/methods.py, clover/proposers.py and clover/config.py "
+                       "(ask methods.method_traits or a DrafterConfig capability):\n" + "\n".join(found))

@@ -1,12 +1,12 @@
-"""The decoding methods' traits (clover/proposers.py): what call sites ask instead of comparing names (issue 46)."""
+"""The decoding methods' traits (clover/methods.py): what call sites ask instead of comparing names (issue 46)."""
 
 from __future__ import annotations
 
 import pytest
 
 from clover.config import DRAFTER_METHODS, ConfigError, DrafterConfig, decoding_method, drafter_has_draft_prefill
-from clover.proposers import (AUTO, DEFAULT_METHOD, HEAD_METHODS, METHOD_CHOICES, METHODS, method_traits,
-                              resolve_method, uses_heads)
+from clover.methods import (AUTO, DEFAULT_METHOD, HEAD_METHODS, METHOD_CHOICES, METHODS, method_traits,
+                            resolve_method, uses_heads)
 
 # each method's traits as the call sites read them before they asked (cli.py, decode.py, served_engine.py,
 # backends/torch.py): (drafts, uses heads, suffix alone, own draft cache, device stepper)

@@ -161,7 +161,7 @@ def test_completions_take_one_prompt(tokenizer):
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"messages": []}, "messages", "at least 1 item"),
+    ({"messages": []}, "messages", "messages: the list is empty; send at least one message, e.g. {"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role", "Field required"),
     ({"temperature": "hot"}, "temperature", "valid number"),
     ({"max_tokens": "5"}, "max_tokens", "valid integer"),
@@ -225,6 +225,12 @@ def test_model_refusals_name_the_parameter():
         error = model_error(message, params)
         assert (error.status, error.param) == (400, param) and message in error.message
     assert model_error("the server is shutting down; the request was cancelled", params).status == 503
+    # the model's input stop_words is the OpenAI API's stop; the server's own settings keep their names
+    too_many = model_error("stop_words has 65 strings; this server takes at most 64 (model parameter max_stop_words)",
+                           params)
+    assert (too_many.param, too_many.message) == (
+        "stop", "stop has 65 strings; this server takes at most 64 (model parameter max_stop_words)")
+    assert model_error("stop_words must be BYTES (strings)", params).message == "stop must be BYTES (strings)"
 
 
 # -- shutdown of the frontend, on a stand-in for Triton ---------------------------------------------
@@ -432,8 +438,10 @@ def served(tiny_engine_dir, tmp_path_factory):
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
            "--openai-port", str(ports[3]), "--threads", "1", "--max-batch", "16", "--startup-timeout", str(STARTUP_S),
            "--drain-timeout", "0"]  # Ctrl-C cancels what runs (the last test): the stream outlasts the drain
-    # the default server log goes to the temp directory: this module's own
-    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("serve-tmp"))}
+    # a log of its own, named: the default one would go with the clean exit, before the last test reads it
+    serve_tmp = tmp_path_factory.mktemp("serve-tmp")
+    cmd += ["--log-file", str(serve_tmp / "clover-serve.log")]
+    env = {**os.environ, "TMPDIR": str(serve_tmp)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=env)
     lines: list[str] = []
@@ -684,7 +692,7 @@ def test_each_bad_input_gets_its_own_openai_error(served, client):
          rf"^max_completion_tokens must be between 1 and {CONTEXT}, "),
         ({"messages": [{"role": "user", "content": ""}]}, "messages", "the prompt is empty"),
         ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages", "does not fit"),
-        ({"messages": [], "max_tokens": 5}, "messages", "at least 1 item"),
+        ({"messages": [], "max_tokens": 5}, "messages", "^messages: the list is empty; send at least one message"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "not supported"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "messages[0].content", "only text parts"),

@@ -500,7 +500,8 @@ def test_clover_serve_prints_endpoints_and_ctrl_c_shuts_down_cleanly(install, ti
         output = "".join(lines)
         assert "stopped (exit code 0)" in output, output
         log = Path(re.search(r"server log: (\S+)", output).group(1))
-        assert log.parent == tmp_path and "Started GRPCInferenceService" in log.read_text(), output
+        # the log clover serve named itself goes with a clean exit (a failure keeps it: test_serving_faults.py)
+        assert log.parent == tmp_path and not log.exists() and "the server log is kept" not in output, output
         assert not _alive(triton_pid) and not any(_alive(p) for p in stubs)
         assert not (shm_regions() - shm_before), "shared-memory regions left in /dev/shm"
     finally:

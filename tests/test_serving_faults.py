@@ -337,6 +337,47 @@ def test_an_unknown_exit_code_is_reported_as_a_failure(capsys):
     assert _report_stop(-9, None, io.StringIO()) == 1 and _report_stop(0, None, io.StringIO()) == 0
 
 
+class _LoggingServer:
+    """Stands in for TritonServer in clover serve: writes to its log, then exits with ``code``."""
+
+    code = 0
+
+    def __init__(self, repo, *ports, log_file=None, **kwargs) -> None:
+        self.log_file, self.install = log_file, TritonInstall(Path("tritonserver"), "PATH")
+        self.host, self.client_host, self.pid = "127.0.0.1", "127.0.0.1", 1
+        self.http_port, self.grpc_port, self.metrics_port = ports
+
+    def start(self):
+        self.log_file.write_text("I1206 tritonserver log\n")
+        return self
+
+    def wait_ready(self, timeout_s) -> None:
+        pass
+
+    def wait(self, timeout_s):
+        return self.code
+
+    def stop(self, timeout_s=None) -> int:
+        return self.code
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_the_default_server_log_is_removed_after_a_clean_exit_and_kept_after_a_failure(tmp_path, monkeypatch, capsys,
+                                                                                       code):
+    import io
+
+    from clover.serving import launch
+
+    default = tmp_path / "clover-serve-test.log"
+    monkeypatch.setattr(launch, "default_log_file", lambda: default)
+    monkeypatch.setattr(launch, "TritonServer", type("Server", (_LoggingServer,), {"code": code}))
+    assert launch.serve(model_repository=tmp_path, out=io.StringIO()) == code
+    assert default.exists() == (code != 0)
+    assert (f"the server log is kept: {default}" in capsys.readouterr().err) == (code != 0)
+    chosen = tmp_path / "mine.log"  # a log the user named stays, whatever the exit
+    assert launch.serve(model_repository=tmp_path, log_file=chosen, out=io.StringIO()) == code and chosen.exists()
+
+
 class _Stopping:
     """Stands in for TritonServer and FrontendProcess in clover serve's stop: records how it was stopped."""
 

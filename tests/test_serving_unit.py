@@ -19,6 +19,7 @@ from clover.serving.protocol import (INPUTS, PARAMETERS, RequestError, RequestLi
                                      render_model_config)
 from clover.prompts import encode_prompt
 from clover.serving.repository import TEMPLATE_MODEL_PY, write_repository
+from clover.serving.warmup import warm_up, warm_up_prompt
 from clover.text import StopFinder, TextStream, answer_text, cut_at_stop, stop_prefix_held
 from tests.serving_support import PROMPTS, long_answer_prompt, reference, tiny_engine_dir  # noqa: F401  (fixtures)
 
@@ -716,8 +717,8 @@ def test_triton_model_takes_input_ids_and_checks_each_request_once(tiny_engine_d
     expected = reference(PROMPTS[4], 12)  # before counting: the reference decodes too
     calls = []
     real = GenerationRequest.validate
+    model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1"))  # its warm-up checks a request too
     monkeypatch.setattr(GenerationRequest, "validate", lambda self, *a, **k: (calls.append(a), real(self, *a, **k)))
-    model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1"))
     try:
         ids = encode_prompt(model.loaded.tokenizer, PROMPTS[4], True)  # what the CLI (and text_input) would send
         by_ids = FakeRequest(input_ids=np.array(ids, np.int32), max_tokens=np.array([12], np.int32))
@@ -815,12 +816,17 @@ def test_server_environment_runs_this_python(tmp_path):
         assert install.stub.parent.name == f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def test_serve_without_an_engine_says_how_to_build_one(tmp_path, capsys):
+def test_serve_without_an_engine_says_how_to_build_one(tmp_path, capsys, monkeypatch):
     from clover.cli import main
 
     assert main(["serve", "--engine", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert "no engine at" in err and "clover build --output" in err
+    monkeypatch.setenv("CLOVER_HOME", str(tmp_path / "home"))  # no engine named: it says what chose the place
+    monkeypatch.delenv("CLOVER_ENGINE_DIR", raising=False)
+    assert main(["serve", "--backend", "onnxruntime"]) == 2
+    assert f"no engine at {tmp_path / 'home' / 'engines' / 'demo'} (engines/demo of $CLOVER_HOME)" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -872,3 +878,68 @@ def test_dtype_is_refused_for_a_built_engine_and_an_unknown_one(tiny_engine_dir,
         load_serving_engine(tiny_engine_dir, dtype="bf16")
     with pytest.raises(ConfigError, match="dtype 'fp16': choose auto, fp32, bf16"):
         load_serving_engine("demo", backend="torch", dtype="fp16")
+
+# -- the warm-up at load (clover/serving/warmup.py, issue 57): counted, not timed ---------------------------
+
+WARM_UP_BURST = 4  # the model's max_batch in these tests: every request of a burst can be live at once
+
+
+def test_warm_up_runs_one_decode_step_at_every_batch_size(ort_engine):
+    engine, tokenizer = ort_engine
+    decoder = SpeculativeDecoder(engine, engine.spec.default_method, engine.meta.tree_defaults, tokenizer,
+                                 max_batch_size=5)
+    done = warm_up(decoder, warm_up_prompt(tokenizer))
+    assert done.batch_sizes == [5, 4, 3, 2, 1] and done.prefill_rows == 5
+    assert not decoder.has_work and decoder.num_running == 0
+    assert done.describe() == "warmed up: 5 decode steps at batch sizes 5 to 1, prefill of 5 prompts at once"
+
+
+class PassShapes:
+    """Records the (rows, tokens per row) of each decode-step target pass (a prompt's pass has no past)."""
+
+    def __init__(self, target) -> None:
+        self.target, self.seen = target, []
+
+    def __call__(self, engine, input_ids, position_ids, past_lengths, *rest):
+        if int(past_lengths.max()) > 0:
+            self.seen.append(tuple(input_ids.shape))
+        return self.target(engine, input_ids, position_ids, past_lengths, *rest)
+
+    def take(self) -> set[tuple[int, int]]:
+        shapes, self.seen = set(self.seen), []
+        return shapes
+
+
+def _burst(model, prompts) -> None:
+    requests = [FakeRequest(text_input=_text(prompt), max_tokens=np.array([12], np.int32)) for prompt in prompts]
+    model.execute(requests)
+    for request in requests:
+        assert request.sender.closed.wait(60)
+        assert all(response.error is None for response in request.sender.responses)
+
+
+@pytest.mark.parametrize("warm", ["true", "false"])
+def test_a_first_burst_after_load_runs_only_shapes_the_warm_up_ran(tiny_engine_dir, monkeypatch, warm):
+    from clover.backends.onnxruntime import OnnxRuntimeEngine
+    from clover.serving.triton_model import CloverTritonModel
+
+    shapes = PassShapes(OnnxRuntimeEngine.target)
+    monkeypatch.setattr(OnnxRuntimeEngine, "target", lambda self, *args: shapes(self, *args))
+    # a fixed tree (no adaptive budget, heads alone): each step's width depends on its batch size alone
+    model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1", max_batch=str(WARM_UP_BURST),
+                                                 adaptive="false", proposer="none", warm_up=warm))
+    try:
+        at_load = shapes.take()
+        _burst(model, PROMPTS[:WARM_UP_BURST])
+        first = shapes.take()
+        _burst(model, PROMPTS[:WARM_UP_BURST])
+        again = shapes.take()
+    finally:
+        model.finalize()
+    assert first and again, "no decode step was recorded"
+    if warm == "false":  # the control: nothing ran at load, so the first burst ran its shapes for the first time
+        assert model.warm_up is None and not at_load and not first <= at_load
+        return
+    assert model.warm_up.batch_sizes == list(range(WARM_UP_BURST, 0, -1))
+    assert {rows for rows, _ in at_load} == set(range(1, WARM_UP_BURST + 1))
+    assert first <= at_load and again <= at_load, (sorted(first - at_load), sorted(again - at_load))

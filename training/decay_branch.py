@@ -23,7 +23,8 @@ import torch
 
 from clover.config import ConfigError
 from training.run_dir import RUN_CONFIG_FILE, STATE_FILE, save_atomic
-from training.train import TrainConfig, train
+from training.train import train
+from training.train_config import TrainConfig
 
 BRANCH_FILE = "branch.json"  # where the branch came from: run, step S and N, fixed when it starts
 

@@ -14,15 +14,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from clover.config import ConfigError
 from training.distributed import Distributed
-
-if TYPE_CHECKING:
-    from training.train import TrainConfig
+from training.train_config import TrainConfig
 
 STATE_FILE, RUN_CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "train_state.pt", "run_config.json", "train_log.jsonl", \
     "training_summary.json"

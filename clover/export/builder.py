@@ -492,13 +492,14 @@ def ensure_demo_engine(engine_dir: str | Path | None = None,
     The defaults are the ones that cannot lose: a calibrated cost model (decoding picks each step's
     budget, vanilla steps included) and int8 draft weights (docs/results/README.md).
     """
-    from clover.demo import default_engine_dir
+    from clover.demo import default_engine_dir, demo_engine_build_reason
 
     default = engine_dir is None
     engine_dir = Path(engine_dir) if engine_dir is not None else default_engine_dir()
     exists = (engine_dir / "engine.json").exists()
     if not exists or (default and not demo_engine_is_current(engine_dir)):
-        progress(f"building the demo engine in {engine_dir} (once: about a minute on idle cores, several on busy ones)")
+        progress(f"{demo_engine_build_reason(engine_dir, exists, default)}: building it (once: about a minute on idle "
+                 "cores, several on busy ones)")
         build_engine(engine_dir, "demo", overwrite=True, calibrate=True, progress=progress,
                      target_weights=DEMO_TARGET_WEIGHTS, target_compute=DEMO_TARGET_COMPUTE,
                      draft_int8=default_draft_int8("onnxruntime", "fp32"))

@@ -20,7 +20,6 @@ import sys
 from tqdm import tqdm
 
 from clover.config import PROPOSERS, ConfigError
-from clover.export.builder import build_engine, default_draft_int8, default_target_weights, recalibrate_engine_dir
 
 
 def parse_args(argv=None, prog: str = "clover build") -> argparse.Namespace:
@@ -45,7 +44,8 @@ def parse_args(argv=None, prog: str = "clover build") -> argparse.Namespace:
     p.add_argument("--max-seq", type=int, default=2048, help="KV-cache length per sequence (default: 2048)")
     p.add_argument("--draft-top-k", type=int, default=8, help="candidates the draft step returns per node (default: 8)")
     p.add_argument("--num-heads", type=int, default=3, help="heads of the untrained default drafter (default: 3)")
-    p.add_argument("--cache-dir", help="where the demo checkpoint is converted to")
+    p.add_argument("--cache-dir", help="where the demo checkpoint is converted to "
+                   "(default: $CLOVER_CACHE_DIR, else ~/.cache/clover)")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
                    help="time the built engine against tokens in flight and store the cost model in engine.json; "
                         "decoding then picks each step's tree budget from it, so speculation never costs more "
@@ -91,6 +91,9 @@ def parse_args(argv=None, prog: str = "clover build") -> argparse.Namespace:
 
 def main(argv=None, prog: str = "clover build") -> int:
     args = parse_args(argv, prog)
+    # after the options are read: the builder loads torch, which --help and a bad option need not wait for
+    from clover.export.builder import build_engine, default_draft_int8, default_target_weights, recalibrate_engine_dir
+
     bar = None
 
     def on_layer(done: int, total: int) -> None:

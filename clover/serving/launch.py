@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from clover.config import ConfigError
-from clover.demo import default_engine_dir
+from clover.demo import default_engine_dir, default_engine_source
 from clover.serving.repository import MODEL_NAME, write_repository
 from clover.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, ServerError, TritonServer, free_port
 
@@ -49,8 +49,9 @@ def resolve_serve_engine(engine: str | Path | None, backend: str = "auto") -> Pa
     """The engine directory to serve; ConfigError with the build command if there is none."""
     engine_dir = Path(engine) if engine is not None else default_engine_dir()
     if backend != "torch" and not (engine_dir / "engine.json").exists():
-        raise ConfigError(f"no engine at {engine_dir}; build it with: clover build --output {engine_dir}   "
-                          "(or pass --engine DIR)")
+        chosen_by = f" ({default_engine_source()})" if engine is None else ""  # where a newcomer did not look
+        raise ConfigError(f"no engine at {engine_dir}{chosen_by}; build it with: clover build --output {engine_dir}"
+                          "   (or pass --engine DIR)")
     return engine_dir
 
 
@@ -86,11 +87,12 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
     torch backend's weights (model parameter ``dtype``).
     ``openai_port``: also run the OpenAI-compatible frontend (its own process) there. ``drain_s``: at
     shutdown, seconds in-flight requests may still run before they are cancelled. ``log_file``: where
-    tritonserver's and the frontend's output go; None: a new file in the temp directory (named on ``out``),
-    "-": the terminal."""
+    tritonserver's and the frontend's output go; None: a new file in the temp directory (named on ``out``), removed
+    after a clean exit and kept (its path said again) after a failure; "-": the terminal."""
     workdir = Path(tempfile.mkdtemp(prefix="clover-serve-"))
     server = frontend = None
-    log_file = default_log_file() if log_file is None else (None if str(log_file) == "-" else Path(log_file))
+    ours = log_file is None  # a log clover serve named itself is clover serve's to remove
+    log_file = default_log_file() if ours else (None if str(log_file) == "-" else Path(log_file))
     try:
         # checked before tritonserver starts: the frontend reads the engine's tokenizer and context
         openai_engine = _openai_engine(engine, backend, model_repository) if openai_port is not None else None
@@ -121,12 +123,13 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                 if openai_engine is not None:
                     frontend = _openai_frontend(openai_engine, server, openai_port)
                     _start_openai(frontend, startup_timeout_s, out)
-                return _wait_for_exit(server, frontend, out)
+                return keep_log_on_failure(_wait_for_exit(server, frontend, out), log_file if ours else None)
             except KeyboardInterrupt:
-                return _drain_and_stop(server, frontend, drain_s, log_file, out)
+                return keep_log_on_failure(_drain_and_stop(server, frontend, drain_s, log_file, out),
+                                           log_file if ours else None)
     except ServerError as exc:
         print(f"clover: error: {exc}", file=sys.stderr)
-        return 1
+        return keep_log_on_failure(1, log_file if ours else None)
     finally:
         if frontend is not None:
             frontend.stop()  # first: its open streams end while tritonserver still answers
@@ -173,6 +176,19 @@ def _report_stop(code: int | None, log_file: Path | None, out: TextIO) -> int:
 
 def _shown(code: int | None) -> str:
     return "unknown" if code is None else str(code)
+
+
+def keep_log_on_failure(code: int, default_log: Path | None) -> int:
+    """``code``, after tidying ``default_log`` (the log clover serve named itself; None: one the user chose, or
+    none): removed after a clean exit, so every run does not leave a file in the temp directory; kept after a
+    failure, where it is the one record of what went wrong, and its path said again on stderr."""
+    if default_log is None or not default_log.exists():
+        return code
+    if code == 0:
+        default_log.unlink(missing_ok=True)
+    else:
+        print(f"[clover] the server log is kept: {default_log}", file=sys.stderr, flush=True)
+    return code
 
 
 def default_log_file() -> Path:

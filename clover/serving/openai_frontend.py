@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,7 +43,8 @@ import uuid
 from pathlib import Path
 from typing import AsyncIterator
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from clover.client import chunk_from_outputs, input_array, request_fields, tokens_per_step  # the model's tensor mapping
 from clover.config import ConfigError, new_tokens_range, sampling_range_error
@@ -110,9 +112,19 @@ class _GenerationFields(_Strict):
     return_token_ids: bool = False  # vLLM's extension: each choice (chunk) also carries its token ids
 
 
+EMPTY_MESSAGES = 'the list is empty; send at least one message, e.g. {"role": "user", "content": "Hello"}'
+
+
 class ChatCompletionRequest(_GenerationFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def at_least_one_message(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:  # in words of its own: pydantic's min_length says "List should have at least 1 item ..."
+            raise PydanticCustomError("empty_messages", EMPTY_MESSAGES)
+        return messages
 
 
 class CompletionRequest(_GenerationFields):
@@ -281,6 +293,18 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
     return text
 
 
+# the model's inputs whose OpenAI parameters are named otherwise, as its refusals name them (the model parameters
+# max_stop_words / max_stop_chars keep their names: they are the server's settings, not the request's)
+_OPENAI_NAMES = {"stop_words": "stop", "random_seed": "seed"}
+
+
+def _openai_names(message: str) -> str:
+    """The model's refusal in the OpenAI API's words: ``stop_words`` is ``stop`` there, ``random_seed`` ``seed``."""
+    for model_name, openai_name in _OPENAI_NAMES.items():
+        message = re.sub(rf"\b{model_name}\b", openai_name, message)
+    return message
+
+
 def model_error(message: str, params: dict) -> OpenAIError:
     """The model's refusal of a request as an OpenAI error, naming the parameter it is about."""
     if "shutting down" in message or "unknown model" in message or "is not ready" in message:
@@ -291,6 +315,7 @@ def model_error(message: str, params: dict) -> OpenAIError:
                 ("prompt", params["prompt"]))
     found = [(message.find(word), param) for word, param in keywords if word in message]
     param = min(found)[1] if found else None
+    message = _openai_names(message)
     named = param is None or message.startswith(param)
     return OpenAIError(400, message if named else f"{param}: {message}", param)
 

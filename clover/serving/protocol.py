@@ -94,6 +94,9 @@ PARAMETERS = {
     "dtype": ("auto", "backend torch only: the weights' precision, auto (bf16 on a GPU, fp32 on a CPU), fp32 "
                       "(token-exact with the fp32 reference) or bf16"),
     "apply_chat_template": ("true", "default of the apply_chat_template input"),
+    "warm_up": ("true", "before the model reports ready, one decode step at every batch size from max_batch down to "
+                        "1 on a throwaway decoder, so the first requests run no shape for the first time; false: "
+                        "a faster load"),
     # stop strings are matched on the shared decode thread: these bound one request's share of it
     "max_stop_words": ("64", "stop_words strings one request may send at most"),
     "max_stop_chars": ("4096", "total characters of one request's stop_words at most"),

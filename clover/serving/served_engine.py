@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from clover.config import PROPOSERS, ConfigError, TreeConfig
-from clover.proposers import DEFAULT_METHOD, METHOD_CHOICES, method_traits, resolve_method
+from clover.methods import DEFAULT_METHOD, METHOD_CHOICES, method_traits, resolve_method
 from clover.demo import default_engine_dir
 
 TORCH_MAX_BATCH = 16  # the torch path has no built-in limit; this keeps a CPU server responsive

@@ -29,6 +29,7 @@ from clover.config import ConfigError
 from clover.decode import SpeculativeDecoder
 from clover.serving.batcher import BatcherMetrics, InflightBatcher, ShuttingDown, Update
 from clover.serving.served_engine import load_serving_engine, resolve_engine_dir
+from clover.serving.warmup import warm_up_throwaway
 from clover.serving.protocol import (DRAIN_FILE_ENV, RequestLimits, model_parameters, parse_request,
                                      refuse_unknown_parameters, response_tensors)
 
@@ -94,12 +95,15 @@ class CloverTritonModel:
             return SpeculativeDecoder(loaded.engine, loaded.method, loaded.tree, loaded.tokenizer,
                                       max_batch_size=loaded.max_batch)
 
+        # before Triton reports the model ready: readiness means ready at speed (docs/serving.md#warm-up)
+        self.warm_up = warm_up_throwaway(make_decoder, loaded.tokenizer) if _bool_param(params, "warm_up") else None
         on_step = self.prometheus.update if self.prometheus is not None else None
         self.batcher = InflightBatcher(make_decoder, on_step=on_step)
         self.drain_watch = _DrainWatch(os.environ.get(DRAIN_FILE_ENV), self.batcher.begin_drain)
+        warmed = f"; {self.warm_up.describe()}" if self.warm_up is not None else "; no warm-up (warm_up=false)"
         self._log(f"clover: {self.name} serves {loaded.description} with {loaded.method} decoding, "
                   f"in-flight batch up to {loaded.max_batch}, context {self.limits.max_seq_len} tokens "
-                  f"(loaded in {time.perf_counter() - start:.1f} s)")
+                  f"(loaded in {time.perf_counter() - start:.1f} s{warmed})")
 
     def _log(self, message: str) -> None:
         logger = getattr(self.pb, "Logger", None)

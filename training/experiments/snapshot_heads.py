@@ -22,7 +22,8 @@ import torch
 from clover.config import ConfigError
 from clover.drafters import save_drafter
 from training.run_dir import RUN_CONFIG_FILE, STATE_FILE
-from training.train import TrainConfig, build_drafter
+from training.train import build_drafter
+from training.train_config import TrainConfig
 
 
 def snapshot(run_dir: Path, output: Path, target=None) -> dict:
