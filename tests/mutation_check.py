@@ -106,8 +106,8 @@ MUTANTS = (
            ("tests/test_openai_frontend.py",)),
     Mutant("cpu_target_one_row_kernel", "the exact int8 target's matmul rounds a lone row's Q4_1 minimum term "
                                         "otherwise than a row in a tile of several (as MLAS's M = 1 kernel does)",
-           (Patch("clover/kernels/cpu_target.cpp", "      mins[r] = mins[r] + m * a.ss(r0 + r)[b];",
-                  "      mins[r] = R == 1 ? std::fma(m, a.ss(r0 + r)[b], mins[r]) : mins[r] + m * a.ss(r0 + r)[b];"),),
+           (Patch("clover/kernels/cpu_target.cpp", "        mins[r][c] = mins[r][c] + m[c] * sx;",
+                  "        mins[r][c] = R == 1 ? std::fma(m[c], sx, mins[r][c]) : mins[r][c] + m[c] * sx;"),),
            EXACT),
     Mutant("cpu_target_keys_in_slot_order", "the exact int8 target's attention reduces over a row's in-flight keys "
                                             "in reverse slot order, not in their logical (depth) order",
