@@ -356,6 +356,20 @@ def test_oracle_heads_accept_everything_on_a_quantized_engine(built, compute, ba
         assert steps == [3] * len(steps)  # with no divergence: every step but the last
 
 
+def test_an_int8_exact_engine_falls_back_to_fp32_compute_where_its_kernel_cannot_run(built, monkeypatch, capsys):
+    """No AVX2 (or no compiler): one line says so, and target.onnx at fp32 compute decodes, token-exact with the
+    dequantised reference."""
+    engines, refs = built
+    monkeypatch.setattr(cpu_target, "unavailable_reason", lambda: "the exact int8 CPU target needs AVX2, which "
+                                                                  "this CPU lacks")
+    engine = OnnxRuntimeEngine(engines["q4", "int8-exact", "clover"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert engine.native is None and len(lines) == 1 and "needs AVX2" in lines[0] and "fp32 compute" in lines[0]
+    prompts = random_prompts(44, 2, engine.spec.vocab_size, 2, 12)
+    speculative = _decode(engine, "clover", prompts, TreeConfig(budget=6, adaptive=False, proposer="none"))
+    _assert_decodes_the_reference(engine, *refs["q4"], "fp32", prompts, {"clover": speculative})
+
+
 def test_engine_json_records_the_target_quantization(built):
     engines, _ = built
     meta = json.loads((engines["q4", "int8", "clover"] / "engine.json").read_text())

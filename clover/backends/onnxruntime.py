@@ -88,12 +88,15 @@ def load_native_target(engine_dir: Path, meta: EngineMeta, threads: int | None):
     it: then ``target.onnx`` (fp32 compute) runs instead (docs/quantized-target.md#the-exact-int8-engine)."""
     from clover.demo import cache_root
     from clover.export.native_target import read_native_target
-    from clover.kernels.cpu_target import NativeTarget, NativeUnavailable
+    from clover.kernels import cpu_target
 
     try:
+        reason = cpu_target.unavailable_reason()
+        if reason:
+            raise cpu_target.NativeUnavailable(reason)
         tensors, config = read_native_target(engine_dir / meta.files["target_native"])
-        return NativeTarget(tensors, config, str(cache_root() / "kernels"), threads)
-    except NativeUnavailable as exc:
+        return cpu_target.NativeTarget(tensors, config, str(cache_root() / "kernels"), threads)
+    except cpu_target.NativeUnavailable as exc:
         print(f"[clover] {exc}; running onnxruntime's target (q4 weights, fp32 compute) instead", file=sys.stderr,
               flush=True)
         return None
