@@ -356,11 +356,11 @@ def test_peers_and_passes_sweeps_measure_what_runs_here_and_say_what_was_left_ou
     out = tmp_path / "report"
     assert bench_main(["--engine", str(clover_engine), "--vanilla-engine", f"other={medusa}", "--output", str(out),
                        "--quick", "--prompts", "builtin", "--sweeps", "peers,passes", "--silent",
-                       "--max-new-tokens", "8", "--threads", "1"]) == 0
+                       "--max-new-tokens", "8", "--threads", "1", "--pass-past", "64"]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert set(report["sweeps"]["peers"]["methods"]) == {"vanilla", "default-clover", "vanilla-other"}
     passes = report["sweeps"]["passes"]["methods"]
-    assert set(passes) == {"clover", "vanilla-other"} and passes["clover"]["x"] == [1, 2, 4, 8, 16]
+    assert set(passes) == {"clover", "vanilla-other"} and passes["clover"]["x"] == [1, 2, 4, 8, 16, 32]
     assert all(s["median"] > 0 for s in passes["clover"]["target_ms"])
     notes = " ".join(report["notes"])
     assert "onnxruntime-genai left out" in notes and "llama.cpp sweep skipped" in notes

@@ -109,7 +109,10 @@ def markdown(report: dict) -> str:
     lines = ["# Clover benchmark", "", f"Command: `{report['command']}`", ""]
     hw = report["hardware"]
     lines += [f"Hardware: {hw.get('cpu', hw['processor'])}, {hw['cpu_count']} CPUs; torch {hw['torch']}, "
-              f"onnxruntime {hw['onnxruntime']}, Python {hw['python']}.", "",
+              f"onnxruntime {hw['onnxruntime']}, Python {hw['python']}; exact int8 CPU target kernel: "
+              f"{hw.get('cpu_target_kernel', 'not recorded')}.", "",
+              *([f"<details><summary>lscpu</summary>", "", "```", hw["lscpu"].rstrip(), "```", "", "</details>", ""]
+                if hw.get("lscpu") else []),
               f"Settings: {report['settings']['repeats']} repeats, {report['settings']['max_new_tokens']} new tokens "
               f"per sequence, interleaved; cells are median (min–max).", ""]
     for sweep, data in report["sweeps"].items():

@@ -31,7 +31,7 @@ sweep. ``--quick`` runs small sweeps (a smoke test, not evidence).
   ``clover generate`` defaults on the engine (and vanilla on any ``--vanilla-engine``), onnxruntime-genai
   greedy on its model builder's CPU int4 graph of the engine's own target checkpoint (:mod:`clover.bench.genai`), and
   llama.cpp greedy on the demo GGUF. Each peer that is not installed is left out with a note.
-* ``passes`` (only when named in ``--sweeps``): one target pass of T = 1, 2, 4, 8, 16 new tokens after
+* ``passes`` (only when named in ``--sweeps``): one target pass of T = 1, 2, 4, 8, 16, 32 new tokens after
   ``--pass-past`` cached ones at batch 1, on the engine, each ``--vanilla-engine`` and the builder's graph
   (``genai-graph``): where the decode speed comes from.
 
@@ -95,7 +95,7 @@ PROMPTS = [
 SWEEPS = ("batch", "budget", "heads", "hf", "triton")
 # run only when named in --sweeps (llama-cpp-python and onnxruntime-genai are optional extras)
 OPTIONAL_SWEEPS = ("llamacpp", "peers", "passes")
-PASS_TOKENS = (1, 2, 4, 8, 16)
+PASS_TOKENS = (1, 2, 4, 8, 16, 32)
 X_LABELS = {"batch": "batch size", "budget": "tree budget (draft nodes)", "heads": "heads used (tree depth)",
             "hf": "batch", "triton": "concurrent streams", "llamacpp": "batch", "peers": "batch",
             "passes": "new tokens in the pass (T)"}
@@ -541,7 +541,26 @@ def hardware() -> dict:
                 break
     except OSError:
         pass
+    info["lscpu"] = _lscpu()
+    info["cpu_target_kernel"] = _cpu_target_kernel()
     return info
+
+
+def _lscpu() -> str | None:
+    """``lscpu``'s report (the CPU varies between machines: record it with every measurement)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_target_kernel() -> str:
+    """Which path of the exact int8 CPU target runs here (docs/quantized-target.md#the-exact-int8-engine)."""
+    from clover.kernels import cpu_target
+
+    return cpu_target.unavailable_reason() or cpu_target.KERNEL_PATH
 
 
 def bench_prompts(source: str, notes: list[str]) -> list[str]:

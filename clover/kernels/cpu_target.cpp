@@ -36,7 +36,7 @@ constexpr int kRowTile = 4;          // rows sharing one load of a weight block
 // threads: a pool that runs one function on all threads per pass, with a spin barrier inside the pass
 
 class Pool {
-  static constexpr int kSpins = 4000;
+  static constexpr int kSpins = 20000;
 
  public:
   explicit Pool(int threads) : threads_(std::max(1, threads)) {
