@@ -71,11 +71,11 @@ def _broadcast(value=None):
     return box[0]
 
 
-def leave() -> None:
+def leave(tell_followers: bool = True) -> None:
     """Leave the process group; rank 0 first tells the followers to stop (:meth:`LockstepDecoder.follow`)."""
     if not dist.is_initialized():
         return
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and tell_followers:
         try:
             _broadcast(_STOP)
         except RuntimeError:  # a follower is gone already: the launcher stops the rest
@@ -130,6 +130,11 @@ class LockstepDecoder(SpeculativeDecoder):
             _broadcast((self._submitted, self._cancels))
             self._submitted, self._cancels = [], []
         return super().step()
+
+    def release(self) -> None:
+        """Rank 0: end the followers' :meth:`follow` of this decoder (the next one may start)."""
+        if self.leads:
+            _broadcast(_STOP)
 
     def follow(self) -> None:
         """The other ranks' loop: rank 0's changes, then the same step, until rank 0 leaves (:func:`leave`)."""
