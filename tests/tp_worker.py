@@ -45,15 +45,21 @@ def tiny_models():
 
 def run_case(decoder: LockstepDecoder, prompts: list[list[int]], joining: int) -> list[list[int]]:
     """Greedy outputs; ``joining`` of the prompts are submitted after the first three steps (in-flight joins)."""
-    first, later = prompts[: len(prompts) - joining], prompts[len(prompts) - joining:]
-    ids = [decoder.submit(GenerationRequest(p, max_new_tokens=MAX_NEW, stop_token_ids=())) for p in first]
-    for _ in range(3 if later else 0):
-        decoder.step()
-    ids += [decoder.submit(GenerationRequest(p, max_new_tokens=MAX_NEW, stop_token_ids=())) for p in later]
-    outputs: dict[int, list[int]] = {i: [] for i in ids}
-    while decoder.has_work:
+    def request(prompt):
+        return GenerationRequest(prompt, max_new_tokens=MAX_NEW, stop_token_ids=())
+
+    outputs: dict[int, list[int]] = {}
+
+    def step():
         for event in decoder.step():
-            outputs[event.seq_id] += event.new_token_ids
+            outputs.setdefault(event.seq_id, []).extend(event.new_token_ids)
+
+    ids = [decoder.submit(request(p)) for p in prompts[: len(prompts) - joining]]
+    for _ in range(3 if joining else 0):
+        step()
+    ids += [decoder.submit(request(p)) for p in prompts[len(prompts) - joining:]]
+    while decoder.has_work:
+        step()
     return [outputs[i] for i in ids]
 
 
