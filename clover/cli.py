@@ -433,6 +433,7 @@ def add_serve_parser(subparsers) -> None:
                    help="also serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) "
                         "on this port (0: a free one), in a process of its own; with --demo: serve the demo engine "
                         "(built if missing) until Ctrl-C instead of the scripted comparison")
+    add_rendezvous_options(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -475,7 +476,17 @@ def cmd_serve(args) -> int:
                  dtype=args.dtype, host=args.host, http_port=args.http_port,
                  grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_repository=args.model_repository,
                  startup_timeout_s=args.startup_timeout, log_file=args.log_file, openai_port=args.openai_port,
-                 drain_s=args.drain_timeout)
+                 drain_s=args.drain_timeout, rendezvous=_serve_rendezvous(args))
+
+
+def _serve_rendezvous(args):
+    """Where ``clover serve --tensor-parallel N``'s ranks meet; None for one rank."""
+    if args.tensor_parallel == 1:
+        return None
+    rendezvous = rendezvous_of(args)
+    if rendezvous.node_rank != 0:
+        raise ConfigError("--node-rank > 0: start that host's ranks with python -m clover.lockstep")
+    return rendezvous
 
 
 def add_client_parser(subparsers) -> None:

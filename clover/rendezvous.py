@@ -56,8 +56,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def start_followers(rendezvous: Rendezvous, log_dir: Path | None = None) -> list[subprocess.Popen]:
-    """Start this host's ranks other than 0, each ``python -m clover.lockstep``."""
+def start_followers(rendezvous: Rendezvous, log_file: Path | None = None) -> list[subprocess.Popen]:
+    """Start this host's ranks other than 0, each ``python -m clover.lockstep``, in sessions of their own
+    (a terminal's Ctrl-C reaches only the launcher, which stops rank 0 first: the others then leave with
+    it); output to ``log_file`` with ``.rank<N>`` added, else inherited."""
     procs = []
     for rank in rendezvous.local_ranks:
         if rank == 0:
@@ -65,9 +67,10 @@ def start_followers(rendezvous: Rendezvous, log_dir: Path | None = None) -> list
         command = [sys.executable, "-m", "clover.lockstep", "--rank", str(rank),
                    "--tensor-parallel", str(rendezvous.world_size), "--master-addr", rendezvous.master_addr,
                    "--master-port", str(rendezvous.master_port), "--nnodes", str(rendezvous.nnodes)]
-        output = open(log_dir / f"rank{rank}.log", "w") if log_dir is not None else None
+        output = open(f"{log_file}.rank{rank}", "w") if log_file is not None else None
         procs.append(subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                      preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+                                      preexec_fn=_die_with_parent, start_new_session=True,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}))
     return procs
 
 
