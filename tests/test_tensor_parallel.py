@@ -82,3 +82,26 @@ def test_tp2_speculative_equals_its_own_vanilla(tp2):
 def test_tp2_rank_holds_about_half(tp2):
     """The tiny target's rank 0 (2 of 3 KV heads, its norms whole) holds well under the whole."""
     assert tp2["rank0_bytes"] < 0.7 * tp2["whole_bytes"]
+
+
+@pytest.mark.slow  # the demo target loaded by 2 ranks, calibrated, decoded: about a minute on 2 idle cores
+def test_demo_generate_tp2_equals_transformers(tmp_path):
+    """The issue's aim: ``clover generate --backend torch --tensor-parallel 2`` on the demo target, Clover's
+    defaults (shipped heads, suffix candidates, adaptive budget), equals transformers under the near-tie rule."""
+    from clover.demo import resolve_target
+    from clover.prompts import encode_prompt
+    from clover.target import load_tokenizer
+
+    prompts = ["Name three colours of the rainbow.", "Repeat: one two three, one two three, one two three."]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                                                    for i, p in enumerate(prompts)))
+    subprocess.run([sys.executable, "-m", "clover.cli", "generate", "--target", "demo", "--backend", "torch",
+                    "--tensor-parallel", "2", "--prompts-file", str(tmp_path / "prompts.jsonl"), "--max-new-tokens",
+                    "24", "--batch-size", "2", "--output", str(tmp_path / "out.jsonl")], cwd=REPO, check=True,
+                   timeout=600)
+    checkpoint = resolve_target("demo")
+    tokenizer = load_tokenizer(checkpoint)
+    for line, prompt in zip((tmp_path / "out.jsonl").read_text().splitlines(), prompts):
+        tokens = json.loads(line)["token_ids"]
+        ids = encode_prompt(tokenizer, prompt, True)
+        assert_argmax_up_to_near_ties(hf_next_logits(checkpoint, ids, tokens), tokens, NEAR_TIE, prompt)
