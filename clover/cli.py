@@ -181,17 +181,14 @@ def _calibration_tokens(args) -> int | None:
 def _load_rank_engine(args):
     """Rank 0's (engine, tokenizer) of a tensor-parallel target; the other ranks load theirs from the same
     recipe (clover.lockstep)."""
-    import os
-
     from clover.lockstep import EngineRecipe, load_engine
 
     if args.engine is not None or args.backend == "onnxruntime" or args.device == "cuda":
         raise ConfigError("--tensor-parallel runs the torch backend on the CPU: drop --engine, --backend "
                           "onnxruntime and --device cuda")
     args.method = args.method or DEFAULT_METHOD
-    threads = args.threads or max(1, (os.cpu_count() or 1) // rendezvous_of(args).ranks_per_node)
     recipe = EngineRecipe(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir,
-                          "bf16" if args.dtype == "bf16" else "fp32", threads, _calibration_tokens(args))
+                          "bf16" if args.dtype == "bf16" else "fp32", args.threads, _calibration_tokens(args))
     return load_engine(recipe, args.shard)
 
 

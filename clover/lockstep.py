@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import datetime
 import logging
+import os
 import sys
 
 import torch
@@ -43,7 +44,7 @@ class EngineRecipe:
     max_seq_len: int = 2048
     cache_dir: str | None = None
     dtype: str = "fp32"
-    threads: int | None = None
+    threads: int | None = None  # None: this host's cores over its ranks
     calibrate_tokens: int | None = None  # time the steps for the adaptive budget (all ranks together)
 
 
@@ -56,12 +57,14 @@ def join(rendezvous: Rendezvous, rank: int, timeout_s: float = COLLECTIVE_TIMEOU
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{rendezvous.master_addr}:"
                             f"{rendezvous.master_port}", rank=rank, world_size=rendezvous.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    global _control
+    global _control, _ranks_here
     _control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    _ranks_here = rendezvous.ranks_per_node
     return Shard(rank, rendezvous.world_size)
 
 
 _control = None  # the gloo group of the step plans, set by join()
+_ranks_here = 1  # ranks on this host, set by join()
 
 
 def _broadcast(value=None):
@@ -89,8 +92,7 @@ def load_engine(recipe: EngineRecipe | None, shard: Shard):
     from clover.target import load_tokenizer
 
     recipe = _broadcast(recipe)
-    if recipe.threads:
-        torch.set_num_threads(recipe.threads)
+    torch.set_num_threads(recipe.threads or max(1, (os.cpu_count() or 1) // _ranks_here))  # no oversubscription
     dtype = torch.bfloat16 if recipe.dtype == "bf16" else torch.float32
     device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     engine = TorchEngine.from_checkpoint(recipe.target, recipe.drafter, recipe.method, recipe.max_seq_len,

@@ -29,6 +29,22 @@ def test_uneven_heads_go_to_the_first_ranks():
         kv_head_counts(3, 4)
 
 
+def test_rendezvous_options_are_torchruns():
+    from clover.cli import build_parser
+    from clover.rendezvous import rendezvous_of
+
+    args = build_parser().parse_args(["serve", "--tensor-parallel", "8", "--nnodes", "2", "--node-rank", "1",
+                                      "--master-addr", "10.0.0.1", "--master-port", "29500"])
+    rendezvous = rendezvous_of(args)
+    assert (rendezvous.master_addr, rendezvous.master_port, list(rendezvous.local_ranks)) == ("10.0.0.1", 29500,
+                                                                                            [4, 5, 6, 7])
+    with pytest.raises(ValueError, match="needs --master-port"):
+        rendezvous_of(build_parser().parse_args(["serve", "--tensor-parallel", "2", "--nnodes", "2"]))
+    with pytest.raises(ValueError, match="does not divide"):
+        rendezvous_of(build_parser().parse_args(["serve", "--tensor-parallel", "3", "--nnodes", "2",
+                                                 "--master-port", "1"])).local_ranks
+
+
 def test_demo_target_per_rank_bytes_at_most_055_of_whole():
     """The issue's aim: each rank of TP=2 holds at most 0.55x the whole target's parameter bytes (the demo
     target's embedding is tied and split over the vocabulary; its 3 KV heads split 2 + 1)."""

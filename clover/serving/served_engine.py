@@ -110,7 +110,7 @@ def _load_rank_zero(checkpoint_dir: Path, method: str, dtype: str, ranks: int, r
     shard = join(Rendezvous(ranks, host, int(port)), 0)
     chosen = resolve_method(method, DEFAULT_METHOD)
     recipe = EngineRecipe(str(checkpoint_dir), None, chosen, 2048, None, "bf16" if dtype == "bf16" else "fp32",
-                          threads or max(1, (os.cpu_count() or 1) // ranks))
+                          threads or None)
     engine, tokenizer = load_engine(recipe, shard)
     return LoadedEngine(engine, tokenizer, chosen, TreeConfig(), TORCH_MAX_BATCH,
                         f"torch engine on {checkpoint_dir}, rank 0 of {ranks}", ranks)
