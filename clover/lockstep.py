@@ -30,6 +30,9 @@ from clover.tensor_parallel import Shard
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 60.0  # an engine collective that waits longer fails: a rank hung (docs/serving.md#faults)
+# the ranks' meeting may wait for tritonserver to start rank 0 (minutes on a busy machine): clover serve's
+# --startup-timeout default
+RENDEZVOUS_TIMEOUT_S = 600.0
 _IDLE_TIMEOUT = datetime.timedelta(days=365)  # a server may sit idle: followers wait for rank 0's next step
 _STOP = "stop"
 
@@ -49,18 +52,20 @@ class EngineRecipe:
 
 
 def join(rendezvous: Rendezvous, rank: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Shard:
-    """Join the default process group (gloo on CPUs, nccl where CUDA is; collectives time out after
-    ``timeout_s``) and the control group the step plans travel on (no timeout: a server may be idle)."""
+    """Meet the other ranks (waiting up to :data:`RENDEZVOUS_TIMEOUT_S`); returns this rank's :class:`Shard`,
+    whose group (gloo on CPUs, nccl where CUDA is) times collectives out after ``timeout_s``. The step plans
+    travel on a gloo group of their own with no timeout: a server may be idle."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank % rendezvous.ranks_per_node)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{rendezvous.master_addr}:"
-                            f"{rendezvous.master_port}", rank=rank, world_size=rendezvous.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
+                            rank=rank, world_size=rendezvous.world_size,
+                            timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
     global _control, _ranks_here
     _control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     _ranks_here = rendezvous.ranks_per_node
-    return Shard(rank, rendezvous.world_size)
+    engine_group = dist.new_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return Shard(rank, rendezvous.world_size, engine_group)
 
 
 _control = None  # the gloo group of the step plans, set by join()

@@ -13,7 +13,7 @@ Each rank holds a slice of every decoder layer (the target's, the Augmenting Blo
 
 The draft heads (small) stay whole on every rank; their token embeddings and logits go through the same
 vocabulary shard (:func:`token_rows`, :func:`gather_logits`). No collective layer of our own: the
-collectives are ``torch.distributed``'s, on the default process group (gloo on CPUs, nccl on GPUs).
+collectives are ``torch.distributed``'s (gloo on CPUs, nccl on GPUs), on the group :class:`Shard` names.
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ from clover.config import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """This process's place among ``world_size`` ranks of the default process group."""
+    """This process's place among ``world_size`` ranks; ``group``: the process group of the target's
+    collectives (None: the default group)."""
 
     rank: int
     world_size: int
+    group: object = None
 
 
 def split_counts(total: int, parts: int) -> list[int]:
@@ -69,14 +71,15 @@ class RowParallelLinear(nn.Module):
     """The input features ``columns`` of a linear layer; the ranks' partial outputs are summed by one
     all-reduce, then the (whole) bias is added once."""
 
-    def __init__(self, linear: nn.Linear, columns: slice) -> None:
+    def __init__(self, linear: nn.Linear, columns: slice, group=None) -> None:
         super().__init__()
+        self.group = group
         self.weight = nn.Parameter(linear.weight.detach()[:, columns].clone(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = nn.functional.linear(x, self.weight)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=self.group)
         return out if self.bias is None else out + self.bias
 
 
@@ -90,12 +93,12 @@ def shard_decoder_layer(layer: nn.Module, shard: Shard) -> None:
     attn.q_proj = _linear_rows(attn.q_proj, slice(q.start * dim, q.stop * dim))
     attn.k_proj = _linear_rows(attn.k_proj, slice(kv.start * dim, kv.stop * dim))
     attn.v_proj = _linear_rows(attn.v_proj, slice(kv.start * dim, kv.stop * dim))
-    attn.o_proj = RowParallelLinear(attn.o_proj, slice(q.start * dim, q.stop * dim))
+    attn.o_proj = RowParallelLinear(attn.o_proj, slice(q.start * dim, q.stop * dim), shard.group)
     attn.num_heads, attn.num_kv_heads = q.stop - q.start, kv.stop - kv.start
     hidden = _span(split_counts(mlp.gate_proj.out_features, shard.world_size), shard.rank)
     mlp.gate_proj = _linear_rows(mlp.gate_proj, hidden)
     mlp.up_proj = _linear_rows(mlp.up_proj, hidden)
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, hidden)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, hidden, shard.group)
 
 
 class VocabShard(nn.Module):
@@ -104,6 +107,7 @@ class VocabShard(nn.Module):
 
     def __init__(self, weight: torch.Tensor, shard: Shard) -> None:
         super().__init__()
+        self.group = shard.group
         self.vocab_size = weight.shape[0]
         rows = -(-self.vocab_size // shard.world_size)
         self.start = min(shard.rank * rows, self.vocab_size)
@@ -117,13 +121,13 @@ class VocabShard(nn.Module):
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = self.weight[local.masked_fill(outside, 0)].masked_fill(outside[..., None], 0)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=self.group)
         return out
 
     def gather(self, local_logits: torch.Tensor) -> torch.Tensor:
         """``[..., rows]`` per rank -> the full ``[..., V]`` on every rank (one all-gather)."""
-        parts = [torch.empty_like(local_logits) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, local_logits.contiguous())
+        parts = [torch.empty_like(local_logits) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, local_logits.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
