@@ -162,7 +162,7 @@ class TorchEngine:
         ``method="vanilla"`` or ``"suffix"`` (the model-free proposer alone) loads no heads. The checkpoint directory is kept as ``checkpoint_dir``
         (its tokenizer: :func:`clover.target.load_tokenizer`). ``device``, ``dtype``: where the weights run, and in
         what precision (bf16 on a GPU: docs/gpu-engine.md#precision). ``shard``: this rank's slice of a
-        tensor-parallel target (the default process group must be up: docs/serving.md#tensor-parallel).
+        tensor-parallel target (its process group up: clover.lockstep.join, docs/serving.md#tensor-parallel).
         """
         from clover.demo import resolve_drafter, resolve_target
         from clover.drafters import load_drafter
