@@ -366,7 +366,8 @@ def token_counts(max_tokens: int) -> list[int]:
     return counts + [max_tokens]
 
 
-def calibrate(engine, max_tokens: int = 64, repeats: int = 5, past: int = 32, source: str = "") -> CostModel:
+def calibrate(engine, max_tokens: int = 64, repeats: int = 5, past: int = 32, source: str = "",
+              retries: int = 2) -> CostModel:
     """Time ``engine.target``, ``engine.draft_step`` (and Clover-2's ``engine.draft_prefill``) on synthetic inputs.
 
     Target: one sequence of n new tokens (a causal chain) after ``past``
@@ -375,7 +376,8 @@ def calibrate(engine, max_tokens: int = 64, repeats: int = 5, past: int = 32, so
     B·T tokens. Draft: n frontier nodes at head 0. Draft prefill (engines with
     ``spec.num_draft_kv_layers``): like the target, n new positions after
     ``past`` in the drafter's own cache. Median of ``repeats`` after one
-    warm-up. Takes seconds on a small engine.
+    warm-up. Takes seconds on a small engine. ``retries``: re-timings of unstable points (0 under tensor
+    parallelism: every rank must run the same calls, docs/serving.md#tensor-parallel).
     """
     spec = engine.spec
     max_tokens = max(1, min(max_tokens, spec.max_seq_len))
@@ -397,7 +399,7 @@ def calibrate(engine, max_tokens: int = 64, repeats: int = 5, past: int = 32, so
             engine.draft_prefill, spec, spec.num_draft_kv_layers, counts, past,
             lambda n: (torch.randn(1, n, spec.hidden_size, generator=gen).to(spec.dtype),
                        torch.randint(0, spec.vocab_size, (1, n), generator=gen)))})
-    seconds = _steady_seconds(jobs, repeats, spec.device)
+    seconds = _steady_seconds(jobs, repeats, spec.device, retries)
     points = {kind: monotone_fit([[n, t] for (k, n), t in sorted(seconds.items()) if k == kind])
               for kind in ("target", "draft", "draft_prefill", "target_batched")}
     return CostModel(points["target"], points["draft"], source=source, draft_prefill=points["draft_prefill"],

@@ -12,6 +12,7 @@ from pathlib import Path
 from clover.config import (CHECKPOINT_DTYPES, PROPOSERS, ConfigError, SamplingConfig, TreeConfig,
                            sampling_range_error)
 from clover.methods import DEFAULT_METHOD, METHOD_CHOICES, METHODS, method_traits
+from clover.rendezvous import add_rendezvous_options, rendezvous_of, start_followers, stop_followers
 from clover.speed_report import report_lines
 
 
@@ -114,6 +115,7 @@ def add_generate_parser(subparsers) -> None:
                    help="decode the prompts again with vanilla decoding and report the speed-up and, where "
                         "speculation did not pay, why (as clover serve --demo does); default: on with --prompt, "
                         "off with --prompts-file")
+    add_rendezvous_options(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -147,6 +149,8 @@ def _load_generate_engine(args):
     """(engine, tokenizer) for ``clover generate``; fills in ``args.method`` from the engine's heads."""
     from clover.target import load_tokenizer
 
+    if args.tensor_parallel > 1:
+        return _load_rank_engine(args)
     engine_dir = _generate_engine_dir(args)
     if engine_dir is not None:
         from clover.backends import load_engine
@@ -160,11 +164,63 @@ def _load_generate_engine(args):
     engine = load_checkpoint_engine(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir,
                                     device=args.device, dtype=args.dtype)
     on_device = getattr(engine, "device_stepper", None) is not None  # it times its own steps (docs/gpu-engine.md)
-    if args.adaptive is not False and method_traits(args.method).drafts and not on_device:
-        print("[clover] timing the torch engine's steps for the adaptive tree budget (seconds)", file=sys.stderr)
-        budget = TreeConfig().budget if args.tree_budget is None else args.tree_budget
-        engine.calibrate_cost_model(min(256, args.batch_size * (1 + budget)))
+    calibrate = _calibration_tokens(args)
+    if calibrate and not on_device:
+        engine.calibrate_cost_model(calibrate)
     return engine, load_tokenizer(engine.checkpoint_dir)
+
+
+def _calibration_tokens(args) -> int | None:
+    """Tokens per step to time the torch engine at for the adaptive budget; None: no timing."""
+    if args.adaptive is False or not method_traits(args.method).drafts:
+        return None
+    print("[clover] timing the torch engine's steps for the adaptive tree budget (seconds)", file=sys.stderr)
+    budget = TreeConfig().budget if args.tree_budget is None else args.tree_budget
+    return min(256, args.batch_size * (1 + budget))
+
+
+def _load_rank_engine(args):
+    """Rank 0's (engine, tokenizer) of a tensor-parallel target; the other ranks load theirs from the same
+    recipe (clover.lockstep)."""
+    from clover.lockstep import EngineRecipe, load_engine
+
+    if args.engine is not None or args.backend == "onnxruntime" or args.device == "cuda":
+        raise ConfigError("--tensor-parallel runs the torch backend on the CPU: drop --engine, --backend "
+                          "onnxruntime and --device cuda")
+    args.method = args.method or DEFAULT_METHOD
+    recipe = EngineRecipe(args.target, args.drafter, args.method, args.max_seq_len, args.cache_dir,
+                          "bf16" if args.dtype == "bf16" else "fp32", args.threads, _calibration_tokens(args))
+    return load_engine(recipe, args.shard)
+
+
+def _new_decoder(args, engine, method: str, tree, tokenizer):
+    """The decoder ``clover generate`` runs: every rank's in lock step under --tensor-parallel."""
+    from clover.decode import SpeculativeDecoder
+
+    if args.tensor_parallel > 1:
+        from clover.lockstep import LockstepDecoder
+
+        return LockstepDecoder(engine, method, tree, tokenizer, max_batch_size=args.batch_size)
+    return SpeculativeDecoder(engine, method, tree, tokenizer, max_batch_size=args.batch_size)
+
+
+def _with_ranks(args, body) -> int:
+    """``body(args)`` as rank 0 of --tensor-parallel ranks: this host's others started, joined, stopped after."""
+    from clover.lockstep import join, leave
+
+    rendezvous = rendezvous_of(args)
+    if rendezvous.node_rank != 0:
+        raise ConfigError("--node-rank > 0: start that host's ranks with python -m clover.lockstep")
+    if args.compare:
+        raise ConfigError("--compare decodes twice; under --tensor-parallel run --method vanilla on its own")
+    args.compare = False
+    followers = start_followers(rendezvous)
+    try:
+        args.shard = join(rendezvous, 0)
+        return body(args)
+    finally:
+        leave()
+        stop_followers(followers)
 
 
 def _stream_to_terminal(decoder, requests, tokenizer, stop: list[str]):
@@ -199,9 +255,15 @@ def _write_results(results, path: Path | None) -> None:
 
 
 def cmd_generate(args) -> int:
+    if args.tensor_parallel > 1:
+        return _with_ranks(args, _generate)
+    return _generate(args)
+
+
+def _generate(args) -> int:
     import torch
 
-    from clover.decode import GenerationRequest, SpeculativeDecoder
+    from clover.decode import GenerationRequest
     from clover.prompts import encode_prompt, read_prompts_file, refuse_empty_prompt
 
     if args.threads:
@@ -212,7 +274,7 @@ def cmd_generate(args) -> int:
         refuse_empty_prompt(row["prompt"])
     engine, tokenizer = _load_generate_engine(args)
     tree = _generate_tree(args, engine)
-    decoder = SpeculativeDecoder(engine, args.method, tree, tokenizer, max_batch_size=args.batch_size)
+    decoder = _new_decoder(args, engine, args.method, tree, tokenizer)
     requests = [GenerationRequest(encode_prompt(tokenizer, r["prompt"], not args.no_chat_template),
                                   max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   stop_strings=tuple(args.stop), seed=args.seed + i, request_id=r["id"])
@@ -232,7 +294,7 @@ def cmd_generate(args) -> int:
     for line in summary_lines(summary, compared=compare):
         print(line, file=sys.stderr)
     if compare:
-        speed = _against_vanilla(SpeculativeDecoder(engine, "vanilla", tree, tokenizer, max_batch_size=args.batch_size),
+        speed = _against_vanilla(_new_decoder(args, engine, "vanilla", tree, tokenizer),
                                  requests, results, seconds, greedy=sampling.temperature == 0)
         for line in report_lines([speed], args.method):
             print(f"[clover] {line}", file=sys.stderr)
@@ -370,6 +432,7 @@ def add_serve_parser(subparsers) -> None:
                    help="also serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) "
                         "on this port (0: a free one), in a process of its own; with --demo: serve the demo engine "
                         "(built if missing) until Ctrl-C instead of the scripted comparison")
+    add_rendezvous_options(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -412,7 +475,17 @@ def cmd_serve(args) -> int:
                  dtype=args.dtype, host=args.host, http_port=args.http_port,
                  grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_repository=args.model_repository,
                  startup_timeout_s=args.startup_timeout, log_file=args.log_file, openai_port=args.openai_port,
-                 drain_s=args.drain_timeout)
+                 drain_s=args.drain_timeout, rendezvous=_serve_rendezvous(args))
+
+
+def _serve_rendezvous(args):
+    """Where ``clover serve --tensor-parallel N``'s ranks meet; None for one rank."""
+    if args.tensor_parallel == 1:
+        return None
+    rendezvous = rendezvous_of(args)
+    if rendezvous.node_rank != 0:
+        raise ConfigError("--node-rank > 0: start that host's ranks with python -m clover.lockstep")
+    return rendezvous
 
 
 def add_client_parser(subparsers) -> None:

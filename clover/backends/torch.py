@@ -23,6 +23,7 @@ from clover.drafters import Drafter, draft_vocab_of
 from clover.engine_contract import DraftPrefillResult, DraftResult, EngineSpec, TargetResult
 from clover.proposers import method_traits
 from clover.target import LlamaTarget
+from clover.tensor_parallel import Shard, gather_logits, shard_target, token_rows, vocab_rows
 
 logger = logging.getLogger(__name__)
 
@@ -77,15 +78,18 @@ class DraftStep(nn.Module):
         if vocab is not None and len(vocab) < top_k:
             raise ConfigError(f"a draft vocabulary of {len(vocab)} tokens cannot give the top {top_k}")
         self.register_buffer("draft_vocab", vocab, persistent=False)
-        rows = None if vocab is None else target.lm_head.weight.detach()[vocab].clone()  # [V', H]
+        rows = None if vocab is None else vocab_rows(target.lm_head, vocab).clone()  # [V', H], whole on every rank
         self.register_buffer("draft_lm_head", rows, persistent=False)
 
     def forward(self, hidden, token, head) -> DraftResult:
         """hidden ``[N, H]``, token int64 ``[N]``, head int64 scalar."""
+        # tensor parallel: the token rows gathered, this rank's vocabulary scored, the logits gathered
+        # (clover.tensor_parallel); a whole LM head passes through unchanged
+        weights, token = token_rows(self.lm_head, token)
+        scored = self.lm_head.weight if self.draft_vocab is None else self.draft_lm_head
+        next_hidden, logits = self.drafter.step(hidden, token, head, weights, scored)
         if self.draft_vocab is None:
-            next_hidden, logits = self.drafter.step(hidden, token, head, self.lm_head.weight)
-        else:
-            next_hidden, logits = self.drafter.step(hidden, token, head, self.lm_head.weight, self.draft_lm_head)
+            logits = gather_logits(self.lm_head, logits)
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V or V']
         top = torch.topk(logprobs, self.top_k, dim=-1)
         ids = top.indices if self.draft_vocab is None else self.draft_vocab[top.indices]
@@ -102,9 +106,17 @@ class DraftPrefill(nn.Module):
 
     def forward(self, hidden, next_token, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> DraftPrefillResult:
         """Shapes as in the ``draft_prefill`` comment of :class:`clover.engine_contract.Engine`."""
+        weights, next_token = token_rows(self.lm_head, next_token)  # the prefill reads W_lm[next_token] only
         state, present_keys, present_values = self.drafter.prefill(
-            hidden, next_token, position_ids, past_lengths, packed_mask, k_cache, v_cache, self.lm_head.weight)
+            hidden, next_token, position_ids, past_lengths, packed_mask, k_cache, v_cache, weights)
         return DraftPrefillResult(state, present_keys, present_values)
+
+
+def _kv_layers_of(heads) -> list[nn.Module]:
+    """The heads' decoder layers with KV caches shaped as the target's (split with it under tensor parallel)."""
+    if heads is None:
+        return []
+    return [*([heads.augment] if heads.augment is not None else []), *getattr(heads, "block", [])]
 
 
 class TorchEngine:
@@ -125,7 +137,7 @@ class TorchEngine:
         self.prefill_step = DraftPrefill(target, drafter).eval() if has_prefill else None
         self.spec = EngineSpec(
             num_kv_layers=self.target_step.num_kv_layers,
-            num_kv_heads=cfg.num_kv_heads,
+            num_kv_heads=target.layers[0].self_attn.num_kv_heads,  # this rank's under tensor parallelism
             head_dim=cfg.head_dim,
             hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size,
@@ -142,14 +154,15 @@ class TorchEngine:
     def from_checkpoint(cls, target: str | Path | None = "demo", drafter: str | None = None, method: str = "clover",
                         max_seq_len: int = 2048, cache_dir: str | Path | None = None,
                         draft_top_k: int = 8, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "TorchEngine":
+                        dtype: torch.dtype = torch.float32, shard: Shard | None = None) -> "TorchEngine":
         """The engine of a Hugging Face checkpoint (``demo``: the embedded one) and its heads.
 
         ``drafter`` as :func:`clover.demo.resolve_drafter` reads it: None on the demo target means its shipped
         heads of ``method``'s family; no heads found means untrained ones (lossless, little speed-up).
         ``method="vanilla"`` or ``"suffix"`` (the model-free proposer alone) loads no heads. The checkpoint directory is kept as ``checkpoint_dir``
         (its tokenizer: :func:`clover.target.load_tokenizer`). ``device``, ``dtype``: where the weights run, and in
-        what precision (bf16 on a GPU: docs/gpu-engine.md#precision).
+        what precision (bf16 on a GPU: docs/gpu-engine.md#precision). ``shard``: this rank's slice of a
+        tensor-parallel target (its process group up: clover.lockstep.join, docs/serving.md#tensor-parallel).
         """
         from clover.demo import resolve_drafter, resolve_target
         from clover.drafters import load_drafter
@@ -168,16 +181,19 @@ class TorchEngine:
                 heads = Drafter.untrained(model, method)
         model = model.to(device=device, dtype=dtype)
         heads = heads.to(device=device, dtype=dtype) if heads is not None else None
+        if shard is not None and shard.world_size > 1:
+            shard_target(model, shard, _kv_layers_of(heads))
         engine = cls(model, heads, max_seq_len=max_seq_len, draft_top_k=draft_top_k)
         engine.checkpoint_dir = Path(path)
         return engine
 
-    def calibrate_cost_model(self, max_tokens: int, repeats: int = 3):
+    def calibrate_cost_model(self, max_tokens: int, repeats: int = 3, retries: int = 2):
         """Time this engine's steps (seconds on a CPU) and keep the cost model, so adaptive trees work on the
         torch path too: there is no engine directory to store one in (docs/trees.md#adaptive-tree-budget)."""
         from clover.adaptive import calibrate
 
-        self.cost_model = calibrate(self, max_tokens=max_tokens, repeats=repeats, source="torch, measured at load")
+        self.cost_model = calibrate(self, max_tokens=max_tokens, repeats=repeats, source="torch, measured at load",
+                                    retries=retries)
         return self.cost_model
 
     @property

@@ -28,6 +28,7 @@ from typing import TextIO
 
 from clover.config import ConfigError
 from clover.demo import default_engine_dir, default_engine_source
+from clover.rendezvous import Rendezvous, start_followers, stop_followers
 from clover.serving.repository import MODEL_NAME, write_repository
 from clover.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, ServerError, TritonServer, free_port
 
@@ -82,15 +83,18 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
           http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
           model_repository: str | Path | None = None, startup_timeout_s: float = 600.0,
           log_file: str | Path | None = None, out: TextIO = sys.stdout, openai_port: int | None = None,
-          drain_s: float = 10.0) -> int:
+          drain_s: float = 10.0, rendezvous: Rendezvous | None = None) -> int:
     """Serve until Ctrl-C (or SIGTERM); returns the exit code: 0 after a clean shutdown, else 1. ``dtype``: the
     torch backend's weights (model parameter ``dtype``).
     ``openai_port``: also run the OpenAI-compatible frontend (its own process) there. ``drain_s``: at
     shutdown, seconds in-flight requests may still run before they are cancelled. ``log_file``: where
     tritonserver's and the frontend's output go; None: a new file in the temp directory (named on ``out``), removed
-    after a clean exit and kept (its path said again) after a failure; "-": the terminal."""
+    after a clean exit and kept (its path said again) after a failure; "-": the terminal. ``rendezvous``: a
+    tensor-parallel target (backend torch): this host's ranks other than 0 are started here, and a dead one
+    stops the server (docs/serving.md#tensor-parallel)."""
     workdir = Path(tempfile.mkdtemp(prefix="clover-serve-"))
     server = frontend = None
+    followers = []
     ours = log_file is None  # a log clover serve named itself is clover serve's to remove
     log_file = default_log_file() if ours else (None if str(log_file) == "-" else Path(log_file))
     try:
@@ -107,6 +111,7 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                 params["tree_budget"] = str(tree_budget)
             if adaptive is not None:  # None: the model's default (adaptive where the engine has a cost model)
                 params["adaptive"] = "true" if adaptive else "false"
+            params.update(_tensor_parallel_params(rendezvous, backend))
             repo = write_repository(workdir / "model_repository", {MODEL_NAME: params})
             what = f"engine {engine_dir}"
         with _SigtermAsInterrupt():
@@ -117,13 +122,15 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                       file=out, flush=True)
                 if log_file is not None:
                     print(f"[clover] server log: {log_file}", file=out, flush=True)
+                if rendezvous is not None:
+                    followers = start_followers(rendezvous, log_file)
                 server.start()
                 server.wait_ready(startup_timeout_s)
                 _print_endpoints(server, out)
                 if openai_engine is not None:
                     frontend = _openai_frontend(openai_engine, server, openai_port)
                     _start_openai(frontend, startup_timeout_s, out)
-                return keep_log_on_failure(_wait_for_exit(server, frontend, out), log_file if ours else None)
+                return keep_log_on_failure(_wait_for_exit(server, frontend, out, followers), log_file if ours else None)
             except KeyboardInterrupt:
                 return keep_log_on_failure(_drain_and_stop(server, frontend, drain_s, log_file, out),
                                            log_file if ours else None)
@@ -135,6 +142,7 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
             frontend.stop()  # first: its open streams end while tritonserver still answers
         if server is not None:
             server.stop()
+        stop_followers(followers)  # after rank 0's stop told them to leave; no orphans either way
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -233,10 +241,25 @@ def _start_openai(frontend, timeout_s: float, out: TextIO) -> None:
           f"(model \"{MODEL_NAME}\": /v1/chat/completions, /v1/completions, /v1/models)", file=out, flush=True)
 
 
-def _wait_for_exit(server: TritonServer, frontend, out: TextIO) -> int:
+def _tensor_parallel_params(rendezvous: Rendezvous | None, backend: str) -> dict[str, str]:
+    """The model parameters of a tensor-parallel target (none for one rank)."""
+    if rendezvous is None or rendezvous.world_size == 1:
+        return {}
+    if backend != "torch":
+        raise ConfigError("--tensor-parallel needs --backend torch (--engine: a checkpoint directory or 'demo')")
+    return {"tensor_parallel": str(rendezvous.world_size),
+            "rendezvous": f"{rendezvous.master_addr}:{rendezvous.master_port}"}
+
+
+def _dead_follower(followers) -> str | None:
+    dead = [proc for proc in followers if proc.poll() is not None]
+    return None if not dead else ", ".join(f"pid {p.pid} exited with code {p.returncode}" for p in dead)
+
+
+def _wait_for_exit(server: TritonServer, frontend, out: TextIO, followers=()) -> int:
     """Block until tritonserver exits, a Python backend stub dies (tritonserver is then killed: its readiness
-    would stay true while requests hang), or the OpenAI frontend exits; the last two are failures (exit code 1,
-    for a supervisor to restart clover serve: docs/serving.md#worker-health)."""
+    would stay true while requests hang), the OpenAI frontend exits, or a tensor-parallel rank does; the last
+    three are failures (exit code 1, for a supervisor to restart clover serve: docs/serving.md#worker-health)."""
     while True:
         code = server.wait(HEALTH_POLL_S)
         if code is not None:
@@ -247,6 +270,12 @@ def _wait_for_exit(server: TritonServer, frontend, out: TextIO) -> int:
             print(f"clover: error: the Python backend stub (pid {', '.join(map(str, dead))}) died; stopping "
                   "tritonserver (in-flight requests fail)", file=sys.stderr, flush=True)
             server.kill()  # nothing answers the requests in flight: a drain would only make them wait
+            return 1
+        dead_rank = _dead_follower(followers)
+        if dead_rank:
+            print(f"clover: error: a tensor-parallel rank died ({dead_rank}); stopping tritonserver",
+                  file=sys.stderr, flush=True)
+            server.kill()  # rank 0's next step would wait on it: readiness false now, not after a timeout
             return 1
         if frontend is not None and frontend.poll() is not None:
             print(f"clover: error: the OpenAI frontend (pid {frontend.process.pid}) exited with code "

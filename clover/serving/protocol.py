@@ -93,6 +93,9 @@ PARAMETERS = {
     "threads": ("0", "CPU threads of the engine (0: the backend's default)"),
     "dtype": ("auto", "backend torch only: the weights' precision, auto (bf16 on a GPU, fp32 on a CPU), fp32 "
                       "(token-exact with the fp32 reference) or bf16"),
+    "tensor_parallel": ("1", "backend torch only: ranks the target is split over (docs/serving.md#tensor-parallel); "
+                             "clover serve starts the others"),
+    "rendezvous": ("127.0.0.1:29500", "with tensor_parallel > 1: host:port where the ranks meet (rank 0's)"),
     "apply_chat_template": ("true", "default of the apply_chat_template input"),
     "warm_up": ("true", "before the model reports ready, one decode step at every batch size from max_batch down to "
                         "1 on a throwaway decoder, so the first requests run no shape for the first time; false: "

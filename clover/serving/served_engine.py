@@ -34,6 +34,7 @@ class LoadedEngine:
     tree: TreeConfig
     max_batch: int
     description: str
+    tensor_parallel: int = 1  # ranks in lock step (clover.lockstep): the decoder must be a LockstepDecoder
 
 
 METHODS = METHOD_CHOICES  # auto: the engine's own drafter family (EngineSpec.default_method)
@@ -42,7 +43,8 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 
 def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: str = "auto",
                         max_batch: int = 0, tree_budget: int | None = None, threads: int = 0,
-                        adaptive: bool | None = None, proposer: str = "auto", dtype: str = "auto") -> LoadedEngine:
+                        adaptive: bool | None = None, proposer: str = "auto", dtype: str = "auto",
+                        tensor_parallel: int = 1, rendezvous: str = "") -> LoadedEngine:
     """Engine, tokenizer and decode settings for serving. Raises ConfigError naming the problem.
 
     ``engine_dir`` is a built engine directory, or with ``backend="torch"`` a checkpoint directory (or
@@ -50,7 +52,9 @@ def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: s
     ``tree_budget``) from the engine's cost model where it has one; True requires one, so an engine without
     one is refused here rather than at the first request; False keeps a fixed budget. ``proposer``: ``auto`` (the
     engine's tree defaults), ``suffix`` or ``none`` (docs/trees.md#model-free-candidates). ``dtype``: the
-    torch backend's weights (:func:`clover.backends.load_checkpoint_engine`); a built engine has its own."""
+    torch backend's weights (:func:`clover.backends.load_checkpoint_engine`); a built engine has its own.
+    ``tensor_parallel`` > 1: this process is rank 0 of that many, meeting the others at ``rendezvous``
+    (``host:port``; docs/serving.md#tensor-parallel)."""
     if method not in METHODS:
         raise ConfigError(f"model parameter method={method!r}: choose {', '.join(METHODS)}")
     if backend not in BACKENDS:
@@ -59,7 +63,11 @@ def load_serving_engine(engine_dir: str | Path, backend: str = "auto", method: s
         raise ConfigError(f"model parameter proposer={proposer!r}: choose auto, {', '.join(PROPOSERS)}")
     if dtype != "auto" and backend != "torch":
         raise ConfigError(f"model parameter dtype={dtype!r} is for backend torch; a built engine has its own precision")
-    if backend == "torch":
+    if tensor_parallel > 1 and backend != "torch":
+        raise ConfigError("tensor_parallel > 1 needs backend torch (a Hugging Face checkpoint directory or 'demo')")
+    if tensor_parallel > 1:
+        loaded = _load_rank_zero(Path(engine_dir), method, dtype, tensor_parallel, rendezvous, threads)
+    elif backend == "torch":
         loaded = _load_torch(Path(engine_dir), method, dtype)
     else:
         loaded = _load_built(Path(engine_dir), backend, threads or None)
@@ -90,6 +98,22 @@ def _load_torch(checkpoint_dir: Path, method: str, dtype: str = "auto") -> Loade
     tree = getattr(engine, "tree_defaults", TreeConfig())  # the device engine's on a GPU: bigger trees
     return LoadedEngine(engine, load_tokenizer(engine.checkpoint_dir), chosen, tree, TORCH_MAX_BATCH,
                         f"torch engine on {checkpoint_dir}")
+
+
+def _load_rank_zero(checkpoint_dir: Path, method: str, dtype: str, ranks: int, rendezvous: str,
+                    threads: int) -> LoadedEngine:
+    """Rank 0 of a tensor-parallel torch engine on the CPU; the other ranks load the same (clover.lockstep)."""
+    from clover.lockstep import EngineRecipe, join, load_engine
+    from clover.rendezvous import Rendezvous
+
+    host, _, port = rendezvous.rpartition(":")
+    shard = join(Rendezvous(ranks, host, int(port)), 0)
+    chosen = resolve_method(method, DEFAULT_METHOD)
+    recipe = EngineRecipe(str(checkpoint_dir), None, chosen, 2048, None, "bf16" if dtype == "bf16" else "fp32",
+                          threads or None)
+    engine, tokenizer = load_engine(recipe, shard)
+    return LoadedEngine(engine, tokenizer, chosen, TreeConfig(), TORCH_MAX_BATCH,
+                        f"torch engine on {checkpoint_dir}, rank 0 of {ranks}", ranks)
 
 
 def _load_built(engine_dir: Path, backend: str, threads: int | None) -> LoadedEngine:

@@ -79,7 +79,8 @@ class CloverTritonModel:
             loaded = load_serving_engine(engine_dir, params["backend"] or "auto", params["method"] or "auto",
                                          _int_param(params, "max_batch", 0), _int_param(params, "tree_budget", None),
                                          _int_param(params, "threads", 0), _auto_bool_param(params, "adaptive"),
-                                         params["proposer"] or "auto", params["dtype"] or "auto")
+                                         params["proposer"] or "auto", params["dtype"] or "auto",
+                                         _int_param(params, "tensor_parallel", 1), params["rendezvous"])
         except ConfigError as exc:
             raise ConfigError(f"model {self.name}: cannot load the engine (parameter engine_dir={engine_dir}): "
                               f"{exc}") from None
@@ -91,9 +92,17 @@ class CloverTritonModel:
         labels = {"model": self.name, "version": str(args.get("model_version", "1"))}
         self.prometheus = _PrometheusMetrics(pb_utils, labels) if hasattr(pb_utils, "MetricFamily") else None
 
+        made = []
+
         def make_decoder() -> SpeculativeDecoder:
-            return SpeculativeDecoder(loaded.engine, loaded.method, loaded.tree, loaded.tokenizer,
-                                      max_batch_size=loaded.max_batch)
+            decoder_class = SpeculativeDecoder
+            if loaded.tensor_parallel > 1:
+                if made:  # a step failed: the ranks are out of step, and clover serve stops them all
+                    raise RuntimeError("a tensor-parallel step failed; the ranks cannot go on")
+                from clover.lockstep import LockstepDecoder as decoder_class
+            made.append(True)
+            return decoder_class(loaded.engine, loaded.method, loaded.tree, loaded.tokenizer,
+                                 max_batch_size=loaded.max_batch)
 
         # before Triton reports the model ready: readiness means ready at speed (docs/serving.md#warm-up)
         self.warm_up = warm_up_throwaway(make_decoder, loaded.tokenizer) if _bool_param(params, "warm_up") else None
@@ -147,6 +156,10 @@ class CloverTritonModel:
     def finalize(self) -> None:
         self.drain_watch.stop()
         self.batcher.shutdown()
+        if self.loaded.tensor_parallel > 1:
+            from clover.lockstep import leave
+
+            leave()  # the other ranks stop with it (docs/serving.md#tensor-parallel)
 
 
 def _error(pb, message: str, code: str):

@@ -1,0 +1,8 @@
+cd /tmp/tp56
+for run in 1 2; do
+for method in vanilla clover; do
+for tp in 1 2; do
+  th=$([ $tp = 1 ] && echo 2 || echo 1)
+  PYTHONPATH=/work/wt56 nice -n 19 python -m clover.cli generate --target demo --backend torch --method $method --no-adaptive --prompts-file bench.jsonl --max-new-tokens 64 --batch-size 4 --threads $th --tensor-parallel $tp --output out-$method-$tp-$run.jsonl --summary sum-$method-$tp-$run.json > log-$method-$tp-$run.txt 2>&1
+  echo "$run $method tp=$tp threads=$th load=$(cut -d' ' -f1 /proc/loadavg) $(python -c "import json; d=json.load(open('sum-$method-$tp-$run.json')); print(round(d['tokens_per_second'],2), 'tok/s', round(d['tokens_per_step'],2), 'tok/step', round(d['decode_seconds'],2), 's')")"
+done; done; done
