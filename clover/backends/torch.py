@@ -21,7 +21,7 @@ from torch import nn
 from clover.config import ConfigError
 from clover.drafters import Drafter, draft_vocab_of
 from clover.engine_contract import DraftPrefillResult, DraftResult, EngineSpec, TargetResult
-from clover.proposers import method_traits
+from clover.methods import method_traits
 from clover.target import LlamaTarget
 from clover.tensor_parallel import Shard, gather_logits, shard_target, token_rows, vocab_rows
 
