@@ -131,8 +131,8 @@ class VocabShard(nn.Module):
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
-class VocabParallelEmbedding(nn.Module):
-    """``embed_tokens`` over a :class:`VocabShard`."""
+class VocabParallel(nn.Module):
+    """A module over a :class:`VocabShard` (its ``weight`` is the shard's rows)."""
 
     def __init__(self, vocab: VocabShard) -> None:
         super().__init__()
@@ -141,21 +141,17 @@ class VocabParallelEmbedding(nn.Module):
     @property
     def weight(self) -> nn.Parameter:
         return self.vocab.weight
+
+
+class VocabParallelEmbedding(VocabParallel):
+    """``embed_tokens`` over a :class:`VocabShard`."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.vocab.rows(ids)
 
 
-class VocabParallelLMHead(nn.Module):
+class VocabParallelLMHead(VocabParallel):
     """``lm_head`` over a :class:`VocabShard`: local logits, all-gathered."""
-
-    def __init__(self, vocab: VocabShard) -> None:
-        super().__init__()
-        self.vocab = vocab
-
-    @property
-    def weight(self) -> nn.Parameter:
-        return self.vocab.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.vocab.gather(nn.functional.linear(x, self.vocab.weight))
