@@ -88,6 +88,15 @@ def test_tree_attention_keeps_the_tree_attention_contract(build_dir):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_row_that_sees_nothing_attends_to_zeros(build_dir):
+    rng = np.random.default_rng(8)
+    q, k, v, k_cache, v_cache, past = _random_attention(rng, 1, 2, [0])
+    mask = torch.tensor([[[1], [0]]], dtype=torch.int32)  # row 1 sees neither the past (none) nor any token
+    got = cpu_target.tree_attention(build_dir, q, k, v, k_cache, v_cache, past, mask)
+    assert np.array_equal(got[0, 1], np.zeros_like(got[0, 1]))
+    np.testing.assert_allclose(got, tree_attention(q, k, v, k_cache, v_cache, past, mask).numpy(), atol=1e-6)
+
+
 def test_tree_attention_depends_only_on_the_keys_in_logical_order(build_dir):
     """A node at depth 3 with masked siblings before, between and after its ancestors, against the same query
     once its ancestors are committed behind the past: the same bits."""

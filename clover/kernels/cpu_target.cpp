@@ -402,6 +402,10 @@ inline float dot_head(const float* q, const float* k, int d) {
 // scores: scratch of at least count() rounded up to 8
 void attend_row(const float* q, const KeySource& keys, int d, float scale, float* scores, float* out) {
   const int n = keys.count();
+  if (n == 0) {  // the contract: a row that sees nothing returns zeros
+    std::memset(out, 0, sizeof(float) * d);
+    return;
+  }
   __m256 vmax = _mm256_set1_ps(-INFINITY);
   for (int i = 0; i < n; ++i) scores[i] = dot_head(q, keys.key(i), d) * scale;
   const int padded = (n + 7) / 8 * 8;
