@@ -104,12 +104,15 @@ class CloverTritonModel:
             return decoder_class(loaded.engine, loaded.method, loaded.tree, loaded.tokenizer,
                                  max_batch_size=loaded.max_batch)
 
-        # before Triton reports the model ready: readiness means ready at speed (docs/serving.md#warm-up)
-        self.warm_up = warm_up_throwaway(make_decoder, loaded.tokenizer) if _bool_param(params, "warm_up") else None
+        # before Triton reports the model ready: readiness means ready at speed (docs/serving.md#warm-up); not with
+        # tensor-parallel ranks, which follow the one decoder rank 0 steps (a throwaway one would leave them behind)
+        warm = _bool_param(params, "warm_up") and loaded.tensor_parallel == 1
+        self.warm_up = warm_up_throwaway(make_decoder, loaded.tokenizer) if warm else None
         on_step = self.prometheus.update if self.prometheus is not None else None
         self.batcher = InflightBatcher(make_decoder, on_step=on_step)
         self.drain_watch = _DrainWatch(os.environ.get(DRAIN_FILE_ENV), self.batcher.begin_drain)
-        warmed = f"; {self.warm_up.describe()}" if self.warm_up is not None else "; no warm-up (warm_up=false)"
+        warmed = (f"; {self.warm_up.describe()}" if self.warm_up is not None else
+                  "; no warm-up (tensor parallel)" if loaded.tensor_parallel > 1 else "; no warm-up (warm_up=false)")
         self._log(f"clover: {self.name} serves {loaded.description} with {loaded.method} decoding, "
                   f"in-flight batch up to {loaded.max_batch}, context {self.limits.max_seq_len} tokens "
                   f"(loaded in {time.perf_counter() - start:.1f} s{warmed})")
