@@ -77,7 +77,8 @@ def demo_engine_build_reason(engine_dir: Path, exists: bool, default: bool) -> s
     the one there predates the shipped heads or the default build options; ``default``: the directory was not named
     (:func:`default_engine_source` says why it is that one)."""
     if exists:
-        return f"the demo engine in {engine_dir} predates the shipped heads or the default build options"
+        return (f"the demo engine in {engine_dir} predates the shipped heads, the default build options or this "
+                "Clover's kernel layout")
     return f"no demo engine in {engine_dir} yet" + (f" ({default_engine_source()})" if default else "")
 
 

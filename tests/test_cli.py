@@ -181,8 +181,8 @@ def test_a_demo_engine_build_says_why_in_one_line(monkeypatch, tmp_path):
     stale.mkdir(parents=True)
     (stale / "engine.json").write_text("{}")  # an engine.json that is no current demo engine
     builder.ensure_demo_engine(progress=said.append)
-    assert said[-1].startswith(f"the demo engine in {stale} predates the shipped heads or the default build "
-                               "options: building it"), said
+    assert said[-1].startswith(f"the demo engine in {stale} predates the shipped heads, the default build "
+                               "options or this Clover's kernel layout: building it"), said
     monkeypatch.setenv("CLOVER_ENGINE_DIR", str(tmp_path / "named"))
     builder.ensure_demo_engine(progress=said.append)
     assert said[-1].startswith(f"no demo engine in {tmp_path / 'named'} yet ($CLOVER_ENGINE_DIR)"), said

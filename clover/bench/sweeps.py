@@ -560,7 +560,10 @@ def _cpu_target_kernel() -> str:
     """Which path of the exact int8 CPU target runs here (docs/quantized-target.md#the-exact-int8-engine)."""
     from clover.kernels import cpu_target
 
-    return cpu_target.unavailable_reason() or cpu_target.KERNEL_PATH
+    try:
+        return cpu_target.unavailable_reason() or cpu_target.kernel_path()
+    except cpu_target.NativeUnavailable as exc:
+        return str(exc)
 
 
 def bench_prompts(source: str, notes: list[str]) -> list[str]:

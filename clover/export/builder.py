@@ -480,8 +480,21 @@ def demo_engine_is_current(engine_dir: str | Path) -> bool:
         return False  # built before the quantized default, or with other --target-weights
     if meta.source.get("drafter_sha256") != heads_digest(heads):  # the shipped heads changed since the build
         return False
+    native = meta.files.get("target_native")
+    if native and not _native_layout_is_current(Path(engine_dir) / native):
+        return False  # built for an older layout of the exact int8 kernel's weights
     shipped_vocab = DrafterConfig.load(Path(heads) / "config.json").draft_vocab_size if heads else 0
     return (meta.drafter_config.draft_vocab_size if meta.drafter_config else 0) == shipped_vocab
+
+
+def _native_layout_is_current(path: Path) -> bool:
+    from clover.export.native_target import native_config
+    from clover.kernels.cpu_target import LAYOUT_VERSION
+
+    try:
+        return native_config(path)["layout_version"] == LAYOUT_VERSION
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def ensure_demo_engine(engine_dir: str | Path | None = None,

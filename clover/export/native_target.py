@@ -4,7 +4,10 @@ What :class:`clover.kernels.cpu_target.NativeTarget` reads, written at build tim
 blocks (:mod:`clover.export.target_weights`: the demo GGUF's own bytes), unchanged: q/k/v and gate/up rows
 concatenated per layer (a block runs along the input, so rows move whole), the tied embedding as the LM head's
 Q8_0 blocks, fp32 norms and rotary tables. The Augmenting Block and the feature fuse, which only shape
-proposals, are quantised to Q8_0 by the ``gguf`` package. The shape of the model goes in the file's metadata.
+proposals, are quantised to Q8_0 by the ``gguf`` package. Every matrix is stored in the kernel's repacked layout
+(:func:`clover.kernels.cpu_target.repack`: the same blocks, 8 columns interleaved), the embedding in GGUF rows
+(a token reads one row). The shape of the model and the layout's version go in the file's metadata; a file of
+another layout version is refused with the command that rebuilds it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 
 from clover.config import ConfigError
 from clover.export.target_weights import StoredWeight, concat_rows, quantize_gguf
+from clover.kernels.cpu_target import LAYOUT_VERSION, repack
 
 FILE = "target_native.safetensors"
 FORMATS = ("q4_1", "q8_0")
@@ -38,6 +42,10 @@ def _stored(block: StoredWeight) -> np.ndarray:
     return np.ascontiguousarray(block.data, np.uint8)
 
 
+def _packed(block: StoredWeight) -> np.ndarray:
+    return repack(block.data, block.format, *block.shape)
+
+
 def _q8(module_weight) -> StoredWeight:
     return quantize_gguf(module_weight.detach().float().numpy(), "q8_0")
 
@@ -45,10 +53,10 @@ def _q8(module_weight) -> StoredWeight:
 def _layer_tensors(prefix: str, linears: dict[str, StoredWeight], layer) -> dict[str, np.ndarray]:
     """One decoder layer: ``linears`` by clover name (``self_attn.q_proj`` ...), norms from ``layer``."""
     attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-    return {f"{prefix}.qkv": _stored(concat_rows([linears[n] for n in attn])),
-            f"{prefix}.o": _stored(linears["self_attn.o_proj"]),
-            f"{prefix}.gate_up": _stored(concat_rows([linears["mlp.gate_proj"], linears["mlp.up_proj"]])),
-            f"{prefix}.down": _stored(linears["mlp.down_proj"]),
+    return {f"{prefix}.qkv": _packed(concat_rows([linears[n] for n in attn])),
+            f"{prefix}.o": _packed(linears["self_attn.o_proj"]),
+            f"{prefix}.gate_up": _packed(concat_rows([linears["mlp.gate_proj"], linears["mlp.up_proj"]])),
+            f"{prefix}.down": _packed(linears["mlp.down_proj"]),
             f"{prefix}.attn_norm": layer.input_layernorm.weight.detach().float().numpy(),
             f"{prefix}.mlp_norm": layer.post_attention_layernorm.weight.detach().float().numpy()}
 
@@ -77,7 +85,7 @@ def native_tensors(model, drafter, weights: dict[str, StoredWeight], max_positio
         tensors.update(_layer_tensors(f"layers.{i}", linears, layer))
         formats[f"layers.{i}"] = _single_format([linears[n] for n in linears])
     lm_head = weights["lm_head.weight"]
-    tensors["lm_head"], formats["lm_head"] = _stored(lm_head), lm_head.format
+    tensors["lm_head"], formats["lm_head"] = _packed(lm_head), lm_head.format
     tied_q8 = cfg.tie_word_embeddings and lm_head.format == "q8_0"
     tensors["embedding"] = _stored(lm_head) if tied_q8 else _stored(_q8(model.embed_tokens.weight))
     tensors["final_norm"] = model.norm.weight.detach().float().numpy()
@@ -91,11 +99,12 @@ def native_tensors(model, drafter, weights: dict[str, StoredWeight], max_positio
         tensors.update(_layer_tensors("augment", linears, augment))
         formats["augment"] = "q8_0"
         if drafter.feature_fuse is not None:
-            tensors["feature_fuse"] = _stored(_q8(drafter.feature_fuse.weight))
+            tensors["feature_fuse"] = _packed(_q8(drafter.feature_fuse.weight))
             feature_layers = list(drafter.config.feature_layers)
     config = {**{k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                               "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps")},
-              "augment": augment is not None, "feature_layers": feature_layers, "formats": formats}
+              "augment": augment is not None, "feature_layers": feature_layers, "formats": formats,
+              "layout_version": LAYOUT_VERSION}
     return tensors, config
 
 
@@ -115,11 +124,22 @@ def write_native_target(directory: Path, model, drafter, weights: dict[str, Stor
     return config
 
 
-def read_native_target(path: Path) -> tuple[dict[str, np.ndarray], dict]:
-    """(tensors, config) of a :data:`FILE`."""
+def native_config(path: Path) -> dict:
+    """The config in a :data:`FILE`'s metadata (no tensors read); ``layout_version`` 1 where it predates them."""
     from safetensors import safe_open
-    from safetensors.numpy import load_file
 
     with safe_open(str(path), "np") as f:
-        config = json.loads(f.metadata()["config"])
+        return {"layout_version": 1, **json.loads(f.metadata()["config"])}
+
+
+def read_native_target(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """(tensors, config) of a :data:`FILE`; ConfigError (one line, with the rebuild) for another layout version."""
+    from safetensors.numpy import load_file
+
+    config = native_config(path)
+    version = config["layout_version"]
+    if version != LAYOUT_VERSION:
+        raise ConfigError(f"{path}: the exact int8 target's weights are in layout {version}, this Clover reads "
+                          f"layout {LAYOUT_VERSION}; rebuild the engine (clover build --output "
+                          f"{Path(path).parent} ... with the options it was built with)")
     return load_file(str(path)), config

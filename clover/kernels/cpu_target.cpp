@@ -5,8 +5,9 @@
 // Invariance: every operation computes a token's row with code that depends only on that row (its inputs,
 // its position, the keys its mask lets it see, in their logical order), never on how many rows the pass
 // holds, where the row sits in it, or which thread runs it:
-//  - matmuls: the one-row dot product runs for every row (rows share only the weight loads); threads split
-//    output columns, never a reduction;
+//  - matmuls: every row runs the same micro-kernel over weights repacked 8 columns to a block, each block
+//    unpacked once for all the rows of a tile; a (row, column)'s integer sums are exact and its float chain is
+//    fixed (see "matmuls" below), whatever the tile; threads split output columns, never a reduction;
 //  - attention: a row's keys are its past in cache order, then its visible in-flight tokens in pass order
 //    (ancestors precede descendants, so that is depth order, the order they have after the commit); every
 //    reduction over keys runs in blocks fixed by logical key index;
@@ -30,87 +31,137 @@ constexpr int kQ41Bytes = 20;        // fp16 d, fp16 m, 16 bytes of nibbles
 constexpr int kQ80Bytes = 34;        // fp16 d, 32 int8
 constexpr int kFormatQ41 = 0;
 constexpr int kFormatQ80 = 1;
-constexpr int kRowTile = 4;          // rows sharing one load of a weight block
+#if defined(CLOVER_AVX512_VNNI)
+constexpr int kRowTile = 8;          // rows sharing one unpacked weight block (32 vector registers)
+#else
+constexpr int kRowTile = 4;          // rows sharing one unpacked weight block (16 vector registers)
+#endif
 
 // ---------------------------------------------------------------------------------------------------------
-// threads: a pool that runs one function on all threads per pass, with a spin barrier inside the pass
+// threads (docs/quantized-target.md#threads-on-a-busy-machine): the calling thread runs a pass's phases in
+// order; for each it publishes the phase, and every thread, itself included, claims the phase's items in
+// chunks until none are left. The caller then waits for the items in flight, never for a thread: a helper
+// that the OS has descheduled (another job on its core) delays a phase only by the chunk it holds, and one
+// that wakes late finds the phase done and waits for the next. Which thread computes an item never changes
+// a bit (items are output columns, rows or (row, head) pairs; no reduction is split).
 
 class Pool {
-  static constexpr int kSpins = 20000;
+  static constexpr int kSlots = 4;             // phases in flight at most: the caller reuses a slot 4 phases on
+  static constexpr int kChunksPerThread = 4;   // items / (threads * 4) per claim: balance against claim traffic
+  static constexpr int kHelperSpins = 20000;   // a helper spins this long for the next phase, then sleeps
+  static constexpr int kCallerSpins = 2000;    // the caller spins this long for chunks in flight, then sleeps
 
  public:
+  using Body = void (*)(const void* context, int lo, int hi, int thread);
+
   explicit Pool(int threads) : threads_(std::max(1, threads)) {
-    for (int t = 1; t < threads_; ++t) workers_.emplace_back([this, t] { work(t); });
+    for (int t = 1; t < threads_; ++t) helpers_.emplace_back([this, t] { help(t); });
   }
   ~Pool() {
-    stop_ = true;
-    generation_.fetch_add(1);
-    generation_.notify_all();
-    for (auto& w : workers_) w.join();
+    stop_.store(true);
+    word_.fetch_add(uint64_t(1) << 32);
+    word_.notify_all();
+    for (auto& h : helpers_) h.join();
   }
   int size() const { return threads_; }
 
-  void run(const std::function<void(int)>& job) {
-    job_ = &job;
-    finished_.store(0);
-    generation_.fetch_add(1, std::memory_order_release);
-    generation_.notify_all();
-    job(0);
-    for (int spin = 0; spin < kSpins && finished_.load(std::memory_order_acquire) != threads_ - 1; ++spin) _mm_pause();
-    for (int left; (left = finished_.load(std::memory_order_acquire)) != threads_ - 1;) finished_.wait(left);
-  }
-
-  // all threads of the pass meet here: spin (they are all running, and a spin is cheaper than a sleep), then
-  // sleep on the phase, so that on a busy machine a waiter does not hold the core the late thread needs
-  void barrier() {
-    if (threads_ == 1) return;
-    const int phase = phase_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
-      arrived_.store(0, std::memory_order_relaxed);
-      phase_.fetch_add(1, std::memory_order_acq_rel);
-      if (sleepers_.load(std::memory_order_acquire)) phase_.notify_all();
-      return;
-    }
-    for (int spin = 0; spin < kSpins; ++spin)
-      if (phase_.load(std::memory_order_acquire) != phase) return;
-      else _mm_pause();
-    sleepers_.fetch_add(1, std::memory_order_acq_rel);
-    while (phase_.load(std::memory_order_acquire) == phase) phase_.wait(phase, std::memory_order_acquire);
-    sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+  // f(lo, hi, thread) over [0, items), every item exactly once; returns when all are done
+  template <typename F>
+  void parallel_for(int items, const F& f) {
+    if (items <= 0) return;
+    if (threads_ == 1 || items == 1) return f(0, items, 0);
+    const uint64_t seq = (word_.load(std::memory_order_relaxed) >> 32) + 1;
+    Slot& slot = slots_[seq % kSlots];
+    slot.body.store(&invoke<F>, std::memory_order_relaxed);
+    slot.context.store(&f, std::memory_order_relaxed);
+    slot.items.store(items, std::memory_order_relaxed);
+    slot.chunk.store(std::max(1, items / (threads_ * kChunksPerThread)), std::memory_order_relaxed);
+    slot.done.store(0, std::memory_order_relaxed);
+    word_.store(seq << 32, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst)) word_.notify_all();
+    work_on(seq, 0);
+    wait_done(slot, items);
   }
 
  private:
-  void work(int t) {
+  struct alignas(64) Slot {
+    std::atomic<Body> body{nullptr};
+    std::atomic<const void*> context{nullptr};
+    std::atomic<int> items{0}, chunk{1};
+    alignas(64) std::atomic<int> done{0};
+  };
+
+  template <typename F>
+  static void invoke(const void* context, int lo, int hi, int thread) { (*static_cast<const F*>(context))(lo, hi, thread); }
+
+  // claim the next chunk of phase seq; false once it has none left (or a later phase has replaced it)
+  bool claim(uint64_t seq, Body* body, const void** context, int* lo, int* hi) {
+    uint64_t word = word_.load(std::memory_order_acquire);
+    for (;;) {
+      if ((word >> 32) != seq) return false;
+      const Slot& slot = slots_[seq % kSlots];
+      const int next = static_cast<int>(static_cast<uint32_t>(word));
+      const int items = slot.items.load(std::memory_order_relaxed), chunk = slot.chunk.load(std::memory_order_relaxed);
+      *body = slot.body.load(std::memory_order_relaxed);
+      *context = slot.context.load(std::memory_order_relaxed);
+      if (next >= items) return false;
+      // the compare-exchange fails where the slot was reused meanwhile: what was read above is then discarded
+      if (word_.compare_exchange_weak(word, word + chunk, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        *lo = next, *hi = std::min(items, next + chunk);
+        return true;
+      }
+    }
+  }
+
+  void work_on(uint64_t seq, int thread) {
+    Body body;
+    const void* context;
+    Slot& slot = slots_[seq % kSlots];
+    for (int lo, hi; claim(seq, &body, &context, &lo, &hi);) {
+      body(context, lo, hi, thread);
+      slot.done.fetch_add(hi - lo, std::memory_order_seq_cst);
+      if (caller_sleeps_.load(std::memory_order_seq_cst)) slot.done.notify_all();
+    }
+  }
+
+  void wait_done(Slot& slot, int items) {
+    for (int spin = 0; spin < kCallerSpins; ++spin)
+      if (slot.done.load(std::memory_order_acquire) == items) return;
+      else _mm_pause();
+    caller_sleeps_.store(true, std::memory_order_seq_cst);
+    for (int done; (done = slot.done.load(std::memory_order_seq_cst)) != items;) slot.done.wait(done);
+    caller_sleeps_.store(false, std::memory_order_relaxed);
+  }
+
+  // a helper: wait for a phase it has not seen, help with it, repeat
+  void help(int thread) {
     uint64_t seen = 0;
     for (;;) {
-      // spin briefly for the next pass (a decode loop calls again within microseconds), then sleep: a spinning
-      // worker would take a core from the Python and onnxruntime work between passes
-      for (int spin = 0; spin < 20000 && generation_.load(std::memory_order_acquire) == seen; ++spin) _mm_pause();
-      generation_.wait(seen, std::memory_order_acquire);
-      seen = generation_.load(std::memory_order_acquire);
-      if (stop_) return;
-      (*job_)(t);
-      finished_.fetch_add(1, std::memory_order_acq_rel);
-      finished_.notify_one();
+      uint64_t word = word_.load(std::memory_order_acquire);
+      for (int spin = 0; spin < kHelperSpins && (word >> 32) == seen; ++spin) {
+        _mm_pause();
+        word = word_.load(std::memory_order_acquire);
+      }
+      if ((word >> 32) == seen) {
+        // sleep on the word: a spinning helper would take a core from the Python and onnxruntime work between passes
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        while (((word = word_.load(std::memory_order_seq_cst)) >> 32) == seen) word_.wait(word);
+        sleepers_.fetch_sub(1, std::memory_order_relaxed);
+      }
+      if (stop_.load()) return;
+      seen = word >> 32;
+      work_on(seen, thread);
     }
   }
 
   int threads_;
-  std::vector<std::thread> workers_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> finished_{0};
-  std::atomic<int> arrived_{0};
-  std::atomic<int> phase_{0};
-  std::atomic<int> sleepers_{0};
-  const std::function<void(int)>* job_ = nullptr;
+  std::vector<std::thread> helpers_;
+  Slot slots_[kSlots];
+  alignas(64) std::atomic<uint64_t> word_{0};  // phase number << 32 | next unclaimed item
+  alignas(64) std::atomic<int> sleepers_{0};
+  std::atomic<bool> caller_sleeps_{false};
   std::atomic<bool> stop_{false};
 };
-
-// [lo, hi) of `total` items for thread t of n (contiguous shares)
-inline void share(int t, int n, int total, int* lo, int* hi) {
-  *lo = static_cast<int>(static_cast<int64_t>(total) * t / n);
-  *hi = static_cast<int>(static_cast<int64_t>(total) * (t + 1) / n);
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // small vector helpers, each a fixed order of operations
@@ -163,13 +214,15 @@ struct Activations {
   int8_t* q = nullptr;   // [rows, K]
   float* d = nullptr;    // [rows, K/32]
   float* s = nullptr;    // [rows, K/32]
+  int32_t* sums = nullptr;  // [rows, K/32] the integer sum(q) of each block
   int k = 0;
   const int8_t* qs(int r) const { return q + static_cast<int64_t>(r) * k; }
   const float* ds(int r) const { return d + static_cast<int64_t>(r) * (k / kBlock); }
   const float* ss(int r) const { return s + static_cast<int64_t>(r) * (k / kBlock); }
+  const int32_t* sum(int r) const { return sums + static_cast<int64_t>(r) * (k / kBlock); }
 };
 
-void quantize_row(const float* x, int k, int8_t* q, float* d, float* s) {
+void quantize_row(const float* x, int k, int8_t* q, float* d, float* s, int32_t* sums) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
@@ -197,138 +250,203 @@ void quantize_row(const float* x, int k, int8_t* q, float* d, float* s) {
     for (int i = 0; i < 8; ++i) total += parts[i];
     d[b] = scale;
     s[b] = scale * static_cast<float>(total);
+    sums[b] = total;
   }
 }
 
 void quantize_rows(const float* x, int ldx, int r0, int r1, const Activations& a) {
   for (int r = r0; r < r1; ++r) {
-    int nb = a.k / kBlock;
-    quantize_row(x + static_cast<int64_t>(r) * ldx, a.k, a.q + static_cast<int64_t>(r) * a.k,
-                 a.d + static_cast<int64_t>(r) * nb, a.s + static_cast<int64_t>(r) * nb);
+    const int64_t nb = a.k / kBlock;
+    quantize_row(x + r * int64_t(ldx), a.k, a.q + r * int64_t(a.k), a.d + r * nb, a.s + r * nb, a.sums + r * nb);
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// the one-row dot products, run for a tile of R rows x C columns: each weight block is loaded once for the R
-// rows, each activation block once for the C columns, and the R x C accumulations are independent chains (no
-// wait on one fmadd's latency). Every (row, column) runs the same operations in the same order whatever the
-// tile, so the tile shape never changes a bit.
+// matmuls over the repacked weights (docs/quantized-target.md#the-repacked-layout). Build time interleaves 8
+// output columns per block, so that one integer dot-product instruction covers 4 inputs of 8 columns, the 32
+// inputs of a block end in one int32 per column (exact, in any order and with any instruction), and the float
+// work of a block (one convert, one multiply, one fmadd, and Q4_1's minimum fmadd) covers 8 columns at once.
+// Each block is unpacked once and shared by every row of a tile.
+//
+// A (row, column)'s float chain, the same whatever the rows, the tile or the instruction set:
+//   for each block b in order: acc = fma(dw[b] * dx[b], float(isum[b]), acc);  Q4_1 also: mins = fma(mw[b], sx[b], mins)
+//   then out = acc (+ mins for Q4_1), (+ out where the matmul accumulates into the residual stream).
 
-// 32 nibbles of a Q4_1 block in weight order: byte j holds weight j (low) and j + 16 (high)
-inline __m256i unpack_q4(const uint8_t* qs) {
-  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-  return _mm256_set_m128i(hi, lo);
-}
+constexpr int kGroup = 8;                                  // output columns interleaved per block
+constexpr int kQ41Packed = 2 * 2 * kGroup + 16 * kGroup;  // 8 fp16 d, 8 fp16 m, 4 chunks of 8 columns x 4 bytes
+constexpr int kQ80Packed = 2 * kGroup + 32 * kGroup;      // 8 fp16 d, 8 chunks of 8 columns x 4 bytes
 
-struct Matrix {
-  const uint8_t* data = nullptr;  // [N rows, K/32 blocks]
+struct Packed {
+  const uint8_t* data = nullptr;  // [ceil(n / 8) groups][k / 32 blocks][block bytes]
   int format = kFormatQ41;
   int n = 0, k = 0;
-  int64_t row_bytes() const { return static_cast<int64_t>(k / kBlock) * (format == kFormatQ41 ? kQ41Bytes : kQ80Bytes); }
+  int groups() const { return (n + kGroup - 1) / kGroup; }
+  int blocks() const { return k / kBlock; }
+  int block_bytes() const { return format == kFormatQ41 ? kQ41Packed : kQ80Packed; }
+  const uint8_t* block(int g, int b) const { return data + (int64_t(g) * blocks() + b) * block_bytes(); }
 };
 
-inline void store(float* o, float value, bool accumulate) { *o = accumulate ? *o + value : value; }
+// 4 activations (one int32) in every lane: the inputs that one dot-product step multiplies with 8 columns
+inline __m256i broadcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
 
-template <int R, int C>
-void tile_q4_1(const Matrix& w, int c0, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
+#if defined(CLOVER_AVX512_VNNI)
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(CLOVER_AVX_VNNI)
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+
+// A Q4_1 block of 8 columns: chunk i's low nibbles are inputs 4i..4i+3, its high nibbles inputs 16+4i..19+4i
+struct Q41Block {
+  __m256 d, m;
+  __m256i lo[4], hi[4];
+};
+
+inline Q41Block load_q4_1(const uint8_t* p) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  Q41Block b;
+  b.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  b.m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  for (int i = 0; i < 4; ++i) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * i));
+    b.lo[i] = _mm256_and_si256(raw, low);
+    b.hi[i] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+  }
+  return b;
+}
+
+// the 8 columns' integer dot products with one row's block x (32 int8)
+inline __m256i isum_q4_1(const Q41Block& w, const int8_t* x) {
+#if defined(CLOVER_AVX512_VNNI) || defined(CLOVER_AVX_VNNI)
+  // four independent chains (integer sums: any order gives the same int32), so the dot products' latency hides
+  __m256i s[4];
+  for (int i = 0; i < 4; ++i) s[i] = dot_u8s8(_mm256_setzero_si256(), w.lo[i], broadcast4(x + 4 * i));
+  for (int i = 0; i < 4; ++i) s[i] = dot_u8s8(s[i], w.hi[i], broadcast4(x + 16 + 4 * i));
+  return _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
+#else
+  // each maddubs lane is at most 2 * 15 * 127 = 3810, eight of them 30480: the int16 sums cannot overflow
+  __m256i s[2];
+  for (int h = 0; h < 2; ++h) {
+    s[h] = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo[2 * h], broadcast4(x + 8 * h)),
+                            _mm256_maddubs_epi16(w.lo[2 * h + 1], broadcast4(x + 8 * h + 4)));
+    s[h] = _mm256_add_epi16(s[h], _mm256_add_epi16(_mm256_maddubs_epi16(w.hi[2 * h], broadcast4(x + 16 + 8 * h)),
+                                                   _mm256_maddubs_epi16(w.hi[2 * h + 1], broadcast4(x + 20 + 8 * h))));
+  }
+  return _mm256_madd_epi16(_mm256_add_epi16(s[0], s[1]), _mm256_set1_epi16(1));
+#endif
+}
+
+// A Q8_0 block of 8 columns: chunk i holds inputs 4i..4i+3. VNNI keeps w + 128 (unsigned), AVX2 w and |w|.
+struct Q80Block {
+  __m256 d;
+  __m256i q[8];
+#if !defined(CLOVER_AVX512_VNNI) && !defined(CLOVER_AVX_VNNI)
+  __m256i magnitude[8];
+#endif
+};
+
+inline Q80Block load_q8_0(const uint8_t* p) {
+  Q80Block b;
+  b.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  for (int i = 0; i < 8; ++i) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * i));
+#if defined(CLOVER_AVX512_VNNI) || defined(CLOVER_AVX_VNNI)
+    b.q[i] = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
+    b.q[i] = w;
+    b.magnitude[i] = _mm256_sign_epi8(w, w);
+#endif
+  }
+  return b;
+}
+
+// x_sum: the block's activations summed (VNNI multiplies w + 128 and takes 128 * x_sum back off)
+inline __m256i isum_q8_0(const Q80Block& w, const int8_t* x, int32_t x_sum) {
+#if defined(CLOVER_AVX512_VNNI) || defined(CLOVER_AVX_VNNI)
+  __m256i s[4] = {_mm256_set1_epi32(-128 * x_sum), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int i = 0; i < 8; ++i) s[i % 4] = dot_u8s8(s[i % 4], w.q[i], broadcast4(x + 4 * i));
+  return _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
+#else
   const __m256i ones = _mm256_set1_epi16(1);
-  const int nb = w.k / kBlock;
-  const int64_t stride = w.row_bytes();
-  const uint8_t* col = w.data + c0 * stride;
-  __m256 acc[R][C];
-  float mins[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps(), mins[r][c] = 0.0f;
-  for (int b = 0; b < nb; ++b) {
-    float d[C], m[C];
-    __m256i q4[C];
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* block = col + c * stride + static_cast<int64_t>(b) * kQ41Bytes;
-      d[c] = f16(block), m[c] = f16(block + 2), q4[c] = unpack_q4(block + 4);
-    }
+  __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int i = 0; i < 8; ++i) {
+    const __m256i products = _mm256_maddubs_epi16(w.magnitude[i], _mm256_sign_epi8(broadcast4(x + 4 * i), w.q[i]));
+    s[i % 2] = _mm256_add_epi32(s[i % 2], _mm256_madd_epi16(products, ones));
+  }
+  return _mm256_add_epi32(s[0], s[1]);
+#endif
+}
+
+// out[0, valid) (+)= v: full groups in one store, the last group of a matrix whose n is no multiple of 8 lane by lane
+inline void store_group(float* out, __m256 v, int valid, bool accumulate) {
+  if (valid >= kGroup) {
+    if (accumulate) v = _mm256_add_ps(_mm256_loadu_ps(out), v);
+    _mm256_storeu_ps(out, v);
+    return;
+  }
+  alignas(32) float lanes[kGroup];
+  _mm256_store_ps(lanes, v);
+  for (int i = 0; i < valid; ++i) out[i] = accumulate ? out[i] + lanes[i] : lanes[i];
+}
+
+// group g's 8 columns for rows [r0, r0 + R)
+template <int R>
+void group_q4_1(const Packed& w, int g, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
+  __m256 acc[R], mins[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = _mm256_setzero_ps();
+  for (int b = 0; b < w.blocks(); ++b) {
+    const Q41Block block = load_q4_1(w.block(g, b));
     for (int r = 0; r < R; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs(r0 + r) + b * kBlock));
-      const float dx = a.ds(r0 + r)[b], sx = a.ss(r0 + r)[b];
-      for (int c = 0; c < C; ++c) {
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q4[c], x), ones));
-        acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(d[c] * dx), sums, acc[r][c]);
-        mins[r][c] = mins[r][c] + m[c] * sx;
-      }
+      const __m256 sums = _mm256_cvtepi32_ps(isum_q4_1(block, a.qs(r0 + r) + b * kBlock));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(a.ds(r0 + r)[b])), sums, acc[r]);
+      mins[r] = _mm256_fmadd_ps(block.m, _mm256_set1_ps(a.ss(r0 + r)[b]), mins[r]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) store(out + (r0 + r) * ldo + c0 + c, hsum(acc[r][c]) + mins[r][c], accumulate);
+    store_group(out + (r0 + r) * ldo + g * kGroup, _mm256_add_ps(acc[r], mins[r]), w.n - g * kGroup, accumulate);
 }
 
-template <int R, int C>
-void tile_q8_0(const Matrix& w, int c0, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int nb = w.k / kBlock;
-  const int64_t stride = w.row_bytes();
-  const uint8_t* col = w.data + c0 * stride;
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    float d[C];
-    __m256i q8[C], magnitude[C];
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* block = col + c * stride + static_cast<int64_t>(b) * kQ80Bytes;
-      d[c] = f16(block);
-      q8[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-      magnitude[c] = _mm256_sign_epi8(q8[c], q8[c]);
-    }
+template <int R>
+void group_q8_0(const Packed& w, int g, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < w.blocks(); ++b) {
+    const Q80Block block = load_q8_0(w.block(g, b));
     for (int r = 0; r < R; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs(r0 + r) + b * kBlock));
-      const float dx = a.ds(r0 + r)[b];
-      for (int c = 0; c < C; ++c) {
-        const __m256i products = _mm256_maddubs_epi16(magnitude[c], _mm256_sign_epi8(x, q8[c]));
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
-        acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(d[c] * dx), sums, acc[r][c]);
-      }
+      const __m256 sums = _mm256_cvtepi32_ps(isum_q8_0(block, a.qs(r0 + r) + b * kBlock, a.sum(r0 + r)[b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(a.ds(r0 + r)[b])), sums, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) store(out + (r0 + r) * ldo + c0 + c, hsum(acc[r][c]), accumulate);
+  for (int r = 0; r < R; ++r) store_group(out + (r0 + r) * ldo + g * kGroup, acc[r], w.n - g * kGroup, accumulate);
 }
 
-template <int R, int C>
-inline void tile(const Matrix& w, int c0, const Activations& a, int r0, float* out, int64_t ldo, bool acc) {
+template <int R>
+inline void group_rows(const Packed& w, int g, const Activations& a, int r0, float* out, int64_t ldo, bool acc) {
   if (w.format == kFormatQ41)
-    tile_q4_1<R, C>(w, c0, a, r0, out, ldo, acc);
+    group_q4_1<R>(w, g, a, r0, out, ldo, acc);
   else
-    tile_q8_0<R, C>(w, c0, a, r0, out, ldo, acc);
+    group_q8_0<R>(w, g, a, r0, out, ldo, acc);
 }
 
-// rows [r0, r0 + R) over columns [c0, c1): tiles of C columns, then one column at a time
-template <int R, int C>
-void rows_over_columns(const Matrix& w, const Activations& a, int r0, float* out, int64_t ldo, bool acc, int c0, int c1) {
-  int c = c0;
-  for (; c + C <= c1; c += C) tile<R, C>(w, c, a, r0, out, ldo, acc);
-  for (; c < c1; ++c) tile<R, 1>(w, c, a, r0, out, ldo, acc);
-}
-
-// out[r, col] (+)= a[r] . w[col] for every row, columns [c0, c1): columns in chunks of 16 so a chunk's weights
-// stay in L1 while every row tile passes over them
-void matmul_columns(const Matrix& w, const Activations& a, int rows, float* out, int64_t ldo, bool acc, int c0, int c1) {
-  constexpr int kColChunk = 16;
-  for (int t0 = c0; t0 < c1; t0 += kColChunk) {
-    const int t1 = std::min(c1, t0 + kColChunk);
+// every row over column groups [g0, g1): a group's blocks stay in L1 while the row tiles pass over them
+void matmul_groups(const Packed& w, const Activations& a, int rows, float* out, int64_t ldo, bool acc, int g0, int g1) {
+  for (int g = g0; g < g1; ++g) {
     int r = 0;
-    for (; r + kRowTile <= rows; r += kRowTile) rows_over_columns<kRowTile, 2>(w, a, r, out, ldo, acc, t0, t1);
-    const int left = rows - r;
-    if (left == 3) rows_over_columns<3, 2>(w, a, r, out, ldo, acc, t0, t1);
-    if (left == 2) rows_over_columns<2, 4>(w, a, r, out, ldo, acc, t0, t1);
-    if (left == 1) rows_over_columns<1, 4>(w, a, r, out, ldo, acc, t0, t1);
+    for (; r + kRowTile <= rows; r += kRowTile) group_rows<kRowTile>(w, g, a, r, out, ldo, acc);
+    switch (rows - r) {
+      case 7: group_rows<7>(w, g, a, r, out, ldo, acc); break;
+      case 6: group_rows<6>(w, g, a, r, out, ldo, acc); break;
+      case 5: group_rows<5>(w, g, a, r, out, ldo, acc); break;
+      case 4: group_rows<4>(w, g, a, r, out, ldo, acc); break;
+      case 3: group_rows<3>(w, g, a, r, out, ldo, acc); break;
+      case 2: group_rows<2>(w, g, a, r, out, ldo, acc); break;
+      case 1: group_rows<1>(w, g, a, r, out, ldo, acc); break;
+      default: break;
+    }
   }
-}
-
-void matmul(Pool& pool, int t, const Matrix& w, const Activations& a, int rows, float* out, int64_t ldo, bool acc) {
-  int c0, c1;
-  share(t, pool.size(), w.n, &c0, &c1);
-  matmul_columns(w, a, rows, out, ldo, acc, c0, c1);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -393,11 +511,28 @@ struct KeySource {
   int count() const { return past + num_visible; }
 };
 
-inline float dot_head(const float* q, const float* k, int d) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
-  return hsum(acc);
+// the scores of 8 keys, each hsum(fma chain of q . k over d / 8 lanes) in the lane order hsum uses, so a key's
+// score is the same bits wherever it sits in a block (and the 8 keys' loads and sums are shared)
+inline __m256 dot8(const float* q, const float* const* k, int d) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int i = 0; i < d; i += 8) {
+    const __m256 qi = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k[j] + i), acc[j]);
+  }
+  // per key: b = lo half + hi half (l0+l4, l1+l5, l2+l6, l3+l7), then (b0 + b2) + (b1 + b3): hsum's order
+  __m256 b[4];
+  for (int j = 0; j < 4; ++j)
+    b[j] = _mm256_add_ps(_mm256_permute2f128_ps(acc[j], acc[j + 4], 0x20), _mm256_permute2f128_ps(acc[j], acc[j + 4], 0x31));
+  const __m256 c01 = _mm256_add_ps(_mm256_unpacklo_ps(b[0], b[1]), _mm256_unpackhi_ps(b[0], b[1]));
+  const __m256 c23 = _mm256_add_ps(_mm256_unpacklo_ps(b[2], b[3]), _mm256_unpackhi_ps(b[2], b[3]));
+  // c01 lanes: key0 (b0+b2), key1 (b0+b2), key0 (b1+b3), key1 (b1+b3); keys 4, 5 in the high half
+  const __m256 x = _mm256_shuffle_ps(c01, c23, _MM_SHUFFLE(1, 0, 1, 0));  // key0 x, key1 x, key2 x, key3 x
+  const __m256 y = _mm256_shuffle_ps(c01, c23, _MM_SHUFFLE(3, 2, 3, 2));  // key0 y, key1 y, key2 y, key3 y
+  return _mm256_add_ps(x, y);
 }
+
+alignas(32) constexpr float kZeroKey[256] = {};  // the keys that pad a last block (their scores are masked)
 
 // scores: scratch of at least count() rounded up to 8
 void attend_row(const float* q, const KeySource& keys, int d, float scale, float* scores, float* out) {
@@ -406,10 +541,14 @@ void attend_row(const float* q, const KeySource& keys, int d, float scale, float
     std::memset(out, 0, sizeof(float) * d);
     return;
   }
-  __m256 vmax = _mm256_set1_ps(-INFINITY);
-  for (int i = 0; i < n; ++i) scores[i] = dot_head(q, keys.key(i), d) * scale;
   const int padded = (n + 7) / 8 * 8;
+  for (int i0 = 0; i0 < padded; i0 += 8) {
+    const float* block[8];
+    for (int j = 0; j < 8; ++j) block[j] = i0 + j < n ? keys.key(i0 + j) : kZeroKey;
+    _mm256_storeu_ps(scores + i0, _mm256_mul_ps(dot8(q, block, d), _mm256_set1_ps(scale)));
+  }
   for (int i = n; i < padded; ++i) scores[i] = -INFINITY;
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
   for (int i = 0; i < padded; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + i));
   const __m256 top = _mm256_set1_ps(hmax(vmax));
   __m256 total = _mm256_setzero_ps();
@@ -443,7 +582,7 @@ int visible_tokens(const int32_t* mask_row, int tokens, int* visible) {
 // the model
 
 struct Layer {
-  Matrix qkv, o, gate_up, down;
+  Packed qkv, o, gate_up, down;
   const float* attn_norm;
   const float* mlp_norm;
 };
@@ -453,7 +592,7 @@ struct Layer {
 extern "C" {
 
 // What Python hands over (clover/kernels/cpu_target.py mirrors it with ctypes). Weight pointers stay owned by
-// Python and must outlive the model.
+// Python and must outlive the model. Matrices are in the repacked layout (Packed), the embedding in GGUF rows.
 struct CloverLayerDesc {
   const uint8_t* qkv;
   const uint8_t* o;
@@ -467,15 +606,15 @@ struct CloverLayerDesc {
 struct CloverModelDesc {
   int32_t hidden, intermediate, heads, kv_heads, head_dim, vocab, layers, max_positions, threads;
   float eps;
-  const uint8_t* embedding;     // Q8_0 [vocab, hidden]
-  const uint8_t* lm_head;       // [vocab, hidden] in lm_head_format
+  const uint8_t* embedding;     // Q8_0 GGUF rows [vocab, hidden]
+  const uint8_t* lm_head;       // [vocab, hidden] in lm_head_format, repacked
   int32_t lm_head_format;
   const float* final_norm;
   const float* rope_cos;        // [max_positions, head_dim / 2]
   const float* rope_sin;
   const CloverLayerDesc* layer; // layers target layers, then the Augmenting Block if has_augment
   int32_t has_augment;
-  const uint8_t* feature_fuse;  // Q8_0 [hidden, hidden * num_features], or null
+  const uint8_t* feature_fuse;  // Q8_0 [hidden, hidden * num_features] repacked, or null
   int32_t num_features;
   const int32_t* feature_layers;  // the target layers whose inputs the Augmenting Block reads (fused)
 };
@@ -488,6 +627,7 @@ struct Buffers {
   std::vector<float> x, attn_in, qkv, attn, gate_up, act, features, augment;
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> sums;
   std::vector<float> scores;   // per thread
   std::vector<int> visible;    // per thread
 };
@@ -504,8 +644,8 @@ class Model {
                               {L.down, L.format, c_.hidden, c_.intermediate},
                               L.attn_norm, L.mlp_norm});
     }
-    lm_head_ = Matrix{c_.lm_head, c_.lm_head_format, c_.vocab, c_.hidden};
-    fuse_ = Matrix{c_.feature_fuse, kFormatQ80, c_.hidden, c_.hidden * c_.num_features};
+    lm_head_ = Packed{c_.lm_head, c_.lm_head_format, c_.vocab, c_.hidden};
+    fuse_ = Packed{c_.feature_fuse, kFormatQ80, c_.hidden, c_.hidden * c_.num_features};
     features_.assign(desc.feature_layers, desc.feature_layers + desc.num_features);
   }
 
@@ -525,7 +665,25 @@ class Model {
   void forward(const Pass& p) {
     const int rows = p.batch * p.tokens;
     reserve(rows, p.cache_len + p.tokens);
-    pool_.run([&](int t) { forward_thread(p, rows, t); });
+    embed(p, rows);
+    float* x = b_.x.data();
+    for (int l = 0; l < c_.layers; ++l) {
+      keep_feature(l, rows);
+      layer(p, l, x, l, rows);
+    }
+    const int h = c_.hidden;
+    Activations a = acts(h);
+    each_row(rows, [&](int r) {
+      rms_norm_row(x + int64_t(r) * h, c_.final_norm, h, c_.eps, b_.attn_in.data() + int64_t(r) * h);
+      quantize_rows(b_.attn_in.data(), h, r, r + 1, a);
+    });
+    matmul(lm_head_, a, rows, p.logits, c_.vocab, false);
+    if (c_.has_augment) {
+      augment_input(rows);
+      layer(p, c_.layers, b_.augment.data(), c_.layers, rows);
+    }
+    const float* h0 = c_.has_augment ? b_.augment.data() : x;
+    std::memcpy(p.h0, h0, sizeof(float) * size_t(rows) * h);
   }
 
  private:
@@ -544,24 +702,27 @@ class Model {
     grow(b_.q, size_t(rows) * kmax);
     grow(b_.d, size_t(rows) * kmax / kBlock);
     grow(b_.s, size_t(rows) * kmax / kBlock);
+    grow(b_.sums, size_t(rows) * kmax / kBlock);
     grow(b_.scores, size_t(pool_.size()) * ((keys + 7) / 8 * 8));
-    grow(b_.visible, size_t(pool_.size()) * p_tokens_cap(keys));
+    grow(b_.visible, size_t(pool_.size()) * keys);
   }
-  static int p_tokens_cap(int keys) { return keys; }
 
-  Activations acts(int k) { return Activations{b_.q.data(), b_.d.data(), b_.s.data(), k}; }
+  Activations acts(int k) { return Activations{b_.q.data(), b_.d.data(), b_.s.data(), b_.sums.data(), k}; }
 
-  // a per-row step over this thread's share of the rows
+  // a per-row step, rows handed out to the pool's threads
   template <typename F>
-  void each_row(int t, int rows, F&& f) {
-    int r0, r1;
-    share(t, pool_.size(), rows, &r0, &r1);
-    for (int r = r0; r < r1; ++r) f(r);
+  void each_row(int rows, const F& f) {
+    pool_.parallel_for(rows, [&](int lo, int hi, int) { for (int r = lo; r < hi; ++r) f(r); });
   }
 
-  void embed(const Pass& p, int t, int rows) {
+  // out[r, col] (+)= a[r] . w[col]: the pool's threads take column groups
+  void matmul(const Packed& w, const Activations& a, int rows, float* out, int64_t ldo, bool accumulate) {
+    pool_.parallel_for(w.groups(), [&](int g0, int g1, int) { matmul_groups(w, a, rows, out, ldo, accumulate, g0, g1); });
+  }
+
+  void embed(const Pass& p, int rows) {
     const int h = c_.hidden, nb = h / kBlock;
-    each_row(t, rows, [&](int r) {
+    each_row(rows, [&](int r) {
       const uint8_t* row = c_.embedding + p.ids[r] * int64_t(nb) * kQ80Bytes;
       float* x = b_.x.data() + int64_t(r) * h;
       for (int b = 0; b < nb; ++b) {
@@ -572,103 +733,55 @@ class Model {
     });
   }
 
-  void forward_thread(const Pass& p, int rows, int t) {
-    embed(p, t, rows);
-    pool_.barrier();
-    float* x = b_.x.data();
-    for (int l = 0; l < c_.layers; ++l) {
-      keep_feature(l, t, rows);
-      layer(p, l, x, l, t, rows);
-    }
-    pool_.barrier();
-    const int h = c_.hidden;
-    Activations a = acts(h);
-    each_row(t, rows, [&](int r) {
-      float* normed = b_.attn_in.data() + int64_t(r) * h;
-      rms_norm_row(x + int64_t(r) * h, c_.final_norm, h, c_.eps, normed);
-      quantize_rows(b_.attn_in.data(), h, r, r + 1, a);
-    });
-    pool_.barrier();
-    matmul(pool_, t, lm_head_, a, rows, p.logits, c_.vocab, false);
-    if (c_.has_augment) {
-      augment_input(t, rows);
-      layer(p, c_.layers, b_.augment.data(), c_.layers, t, rows);
-      pool_.barrier();
-    }
-    const float* h0 = c_.has_augment ? b_.augment.data() : x;
-    each_row(t, rows, [&](int r) { std::memcpy(p.h0 + int64_t(r) * h, h0 + int64_t(r) * h, sizeof(float) * h); });
-  }
-
   // the Augmenting Block reads the input of the last target layer, or of several fused (docs/drafter.md)
-  void keep_feature(int l, int t, int rows) {
+  void keep_feature(int l, int rows) {
     if (!c_.has_augment) return;
     const int h = c_.hidden, n = std::max(1, c_.num_features);
     for (int f = 0; f < n; ++f) {
       const int wanted = c_.num_features ? features_[f] : c_.layers - 1;
       if (wanted != l) continue;
-      pool_.barrier();  // the previous layer's last writes to x
-      each_row(t, rows, [&](int r) {
+      for (int r = 0; r < rows; ++r)
         std::memcpy(b_.features.data() + (int64_t(r) * n + f) * h, b_.x.data() + int64_t(r) * h, sizeof(float) * h);
-      });
     }
   }
 
-  void augment_input(int t, int rows) {
+  void augment_input(int rows) {
     const int h = c_.hidden;
-    pool_.barrier();
     if (!c_.num_features) {
-      each_row(t, rows, [&](int r) {
-        std::memcpy(b_.augment.data() + int64_t(r) * h, b_.features.data() + int64_t(r) * h, sizeof(float) * h);
-      });
-      pool_.barrier();
+      std::memcpy(b_.augment.data(), b_.features.data(), sizeof(float) * size_t(rows) * h);
       return;
     }
     const int k = h * c_.num_features;
     Activations a = acts(k);
-    each_row(t, rows, [&](int r) { quantize_rows(b_.features.data(), k, r, r + 1, a); });
-    pool_.barrier();
-    matmul(pool_, t, fuse_, a, rows, b_.augment.data(), h, false);
-    pool_.barrier();
+    each_row(rows, [&](int r) { quantize_rows(b_.features.data(), k, r, r + 1, a); });
+    matmul(fuse_, a, rows, b_.augment.data(), h, false);
   }
 
   // one decoder layer over the stream x [rows, hidden], its K/V into KV layer kv
-  void layer(const Pass& p, int l, float* x, int kv, int t, int rows) {
+  void layer(const Pass& p, int l, float* x, int kv, int rows) {
     const Layer& L = layers_[l];
-    const int h = c_.hidden, qkv_n = L.qkv.n, width = c_.heads * c_.head_dim;
-    pool_.barrier();
+    const int h = c_.hidden, width = c_.heads * c_.head_dim, inter = c_.intermediate;
     Activations a = acts(h);
-    each_row(t, rows, [&](int r) {
+    each_row(rows, [&](int r) {
       rms_norm_row(x + int64_t(r) * h, L.attn_norm, h, c_.eps, b_.attn_in.data() + int64_t(r) * h);
       quantize_rows(b_.attn_in.data(), h, r, r + 1, a);
     });
-    pool_.barrier();
-    matmul(pool_, t, L.qkv, a, rows, b_.qkv.data(), qkv_n, false);
-    pool_.barrier();
-    each_row(t, rows, [&](int r) { rope_and_store(p, kv, r); });
-    pool_.barrier();
-    attention(p, kv, t, rows);
-    pool_.barrier();
-    Activations ao = acts(width);
-    each_row(t, rows, [&](int r) { quantize_rows(b_.attn.data(), width, r, r + 1, ao); });
-    pool_.barrier();
-    matmul(pool_, t, L.o, ao, rows, x, h, true);
-    pool_.barrier();
-    each_row(t, rows, [&](int r) {
+    matmul(L.qkv, a, rows, b_.qkv.data(), L.qkv.n, false);
+    each_row(rows, [&](int r) { rope_and_store(p, kv, r); });
+    attention(p, kv, rows, acts(width));
+    matmul(L.o, acts(width), rows, x, h, true);
+    each_row(rows, [&](int r) {
       rms_norm_row(x + int64_t(r) * h, L.mlp_norm, h, c_.eps, b_.attn_in.data() + int64_t(r) * h);
       quantize_rows(b_.attn_in.data(), h, r, r + 1, a);
     });
-    pool_.barrier();
-    matmul(pool_, t, L.gate_up, a, rows, b_.gate_up.data(), 2 * c_.intermediate, false);
-    pool_.barrier();
-    const int inter = c_.intermediate;
+    matmul(L.gate_up, a, rows, b_.gate_up.data(), 2 * inter, false);
     Activations am = acts(inter);
-    each_row(t, rows, [&](int r) {
+    each_row(rows, [&](int r) {
       const float* gu = b_.gate_up.data() + int64_t(r) * 2 * inter;
       silu_mul_row(gu, gu + inter, inter, b_.act.data() + int64_t(r) * inter);
       quantize_rows(b_.act.data(), inter, r, r + 1, am);
     });
-    pool_.barrier();
-    matmul(pool_, t, L.down, am, rows, x, h, true);
+    matmul(L.down, am, rows, x, h, true);
   }
 
   float* cache_row(float* const* cache, int kv, int b, int head, int pos, int cache_len) const {
@@ -690,31 +803,32 @@ class Model {
     }
   }
 
-  void attention(const Pass& p, int kv, int t, int rows) {
-    const int d = c_.head_dim, group = c_.heads / c_.kv_heads;
+  // items are (row, head) pairs; then each row is quantised for the output projection
+  void attention(const Pass& p, int kv, int rows, const Activations& out) {
+    const int d = c_.head_dim, group = c_.heads / c_.kv_heads, width = c_.heads * d;
     const int keys_cap = (p.cache_len + p.tokens + 7) / 8 * 8;
-    float* scores = b_.scores.data() + int64_t(t) * keys_cap;
-    int* visible = b_.visible.data() + int64_t(t) * (p.cache_len + p.tokens);
-    int lo, hi;
-    share(t, pool_.size(), rows * c_.heads, &lo, &hi);
-    for (int task = lo; task < hi; ++task) {
-      const int r = task / c_.heads, head = task % c_.heads, b = r / p.tokens, hkv = head / group;
-      const int past = p.past[b];
-      KeySource keys{cache_row(p.k_cache, kv, b, hkv, 0, p.cache_len), cache_row(p.v_cache, kv, b, hkv, 0, p.cache_len),
-                     d, past,
-                     cache_row(p.k_cache, kv, b, hkv, past, p.cache_len), cache_row(p.v_cache, kv, b, hkv, past, p.cache_len),
-                     d, visible, 0};
-      keys.num_visible = visible_tokens(p.mask + int64_t(r) * p.words, p.tokens, visible);
-      const float* q = b_.qkv.data() + int64_t(r) * (c_.heads + 2 * c_.kv_heads) * d + head * d;
-      attend_row(q, keys, d, 1.0f / std::sqrt(static_cast<float>(d)), scores,
-                 b_.attn.data() + int64_t(r) * c_.heads * d + head * d);
-    }
+    pool_.parallel_for(rows * c_.heads, [&](int lo, int hi, int t) {
+      float* scores = b_.scores.data() + int64_t(t) * keys_cap;
+      int* visible = b_.visible.data() + int64_t(t) * (p.cache_len + p.tokens);
+      for (int task = lo; task < hi; ++task) {
+        const int r = task / c_.heads, head = task % c_.heads, b = r / p.tokens, hkv = head / group;
+        const int past = p.past[b];
+        KeySource keys{cache_row(p.k_cache, kv, b, hkv, 0, p.cache_len),
+                       cache_row(p.v_cache, kv, b, hkv, 0, p.cache_len), d, past,
+                       cache_row(p.k_cache, kv, b, hkv, past, p.cache_len),
+                       cache_row(p.v_cache, kv, b, hkv, past, p.cache_len), d, visible, 0};
+        keys.num_visible = visible_tokens(p.mask + int64_t(r) * p.words, p.tokens, visible);
+        const float* q = b_.qkv.data() + int64_t(r) * (c_.heads + 2 * c_.kv_heads) * d + head * d;
+        attend_row(q, keys, d, 1.0f / std::sqrt(static_cast<float>(d)), scores, b_.attn.data() + int64_t(r) * width + head * d);
+      }
+    });
+    each_row(rows, [&](int r) { quantize_rows(b_.attn.data(), width, r, r + 1, out); });
   }
 
   CloverModelDesc c_;
   Pool pool_;
   std::vector<Layer> layers_;
-  Matrix lm_head_, fuse_;
+  Packed lm_head_, fuse_;
   std::vector<int> features_;
   Buffers b_;
 };
@@ -735,13 +849,15 @@ void clover_model_forward(void* model, const int64_t* ids, const int64_t* positi
   static_cast<Model*>(model)->forward(p);
 }
 
-// The linear alone (tests): out[rows, n] = int8(x) . w, x fp32 [rows, k] quantised per row as in a pass.
+// The linear alone (tests): out[rows, n] = int8(x) . w, w repacked, x fp32 [rows, k] quantised per row as in a pass.
 void clover_linear(const uint8_t* w, int32_t format, int32_t n, int32_t k, const float* x, int32_t rows, float* out) {
   std::vector<int8_t> q(size_t(rows) * k);
   std::vector<float> d(size_t(rows) * k / kBlock), s(size_t(rows) * k / kBlock);
-  Activations a{q.data(), d.data(), s.data(), k};
+  std::vector<int32_t> sums(size_t(rows) * k / kBlock);
+  Activations a{q.data(), d.data(), s.data(), sums.data(), k};
   quantize_rows(x, k, 0, rows, a);
-  matmul_columns(Matrix{w, format, n, k}, a, rows, out, n, false, 0, n);
+  const Packed packed{w, format, n, k};
+  matmul_groups(packed, a, rows, out, n, false, 0, packed.groups());
 }
 
 // TreeAttention alone (tests; the contract of clover.attention.tree_attention): q [B, T, Hq, D], k/v

@@ -3,13 +3,15 @@
 Why a kernel of our own (docs/quantized-target.md#the-exact-int8-engine): no library computes a token's row
 with the same arithmetic whatever else its pass holds at int8 activations (onnxruntime's MatMulNBits takes
 another kernel for one row; attention libraries reduce over keys in blocks fixed by their position in the
-pass). ``cpu_target.cpp`` runs llama.cpp's one-row Q4_1 / Q8_0 dot products for every row, sharing only the
-weight loads, and the TreeAttention contract (docs/engine-contract.md) over the in-place KV cache in each
-row's logical key order.
+pass). ``cpu_target.cpp`` runs one micro-kernel for every row over weights that :func:`repack` interleaves 8
+output columns to a block (integer sums exact, each (row, column)'s float chain fixed), and the TreeAttention
+contract (docs/engine-contract.md) over the in-place KV cache in each row's logical key order.
 
-The library is compiled with the system's C++ compiler into ``build_dir`` (one file per source and flags),
-with no torch headers: a few seconds. It needs x86-64 with AVX2, FMA and F16C (read from /proc/cpuinfo); on
-any other machine :func:`unavailable_reason` says why and the caller keeps onnxruntime's target.
+The library is compiled with the system's C++ compiler into ``build_dir`` (one file per source, kernel path
+and flags), with no torch headers: a few seconds. Its kernel path is picked by CPU feature (:func:`kernel_path`):
+``avx512-vnni`` or ``avx-vnni`` (``vpdpbusd``) where the CPU has it, else ``avx2``; ``$CLOVER_CPU_KERNEL`` forces
+one. Every path computes the same bits (they differ only in integer instructions). On a machine without AVX2,
+FMA and F16C :func:`unavailable_reason` says why and the caller keeps onnxruntime's target.
 """
 
 from __future__ import annotations
@@ -30,9 +32,19 @@ SOURCE = Path(__file__).resolve().parent / "cpu_target.cpp"
 # -ffp-contract=off: a written multiply and add stay two roundings in every instantiation (invariance)
 FLAGS = ["-O3", "-std=c++20", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+# kernel path -> (the CPU flags it needs beyond REQUIRED_CPU_FLAGS, its compiler flags), fastest first
+KERNEL_PATHS = {
+    "avx512-vnni": (("avx512f", "avx512vl", "avx512bw", "avx512_vnni"),
+                    ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DCLOVER_AVX512_VNNI"]),
+    "avx-vnni": (("avx_vnni",), ["-mavxvnni", "-DCLOVER_AVX_VNNI"]),
+    "avx2": ((), []),
+}
+KERNEL_ENV = "CLOVER_CPU_KERNEL"
 FORMATS = {"q4_1": 0, "q8_0": 1}
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
-KERNEL_PATH = "avx2"  # the one path compiled today; AVX-512 VNNI machines run it too (docs/quantized-target.md)
+GROUP = 8  # output columns interleaved per block in the repacked layout (cpu_target.cpp: kGroup)
+PACKED_BLOCK_BYTES = {"q4_1": 16 + 16 + 4 * 32, "q8_0": 16 + 8 * 32}
+LAYOUT_VERSION = 2  # 1: GGUF rows as stored (until 2026-12-07); 2: repack()'s interleaved groups
 
 
 class NativeUnavailable(RuntimeError):
@@ -59,6 +71,21 @@ def compiler() -> str | None:
     return None
 
 
+def kernel_path(flags: set[str] | None = None) -> str:
+    """The kernel path this CPU runs: ``$CLOVER_CPU_KERNEL`` where set (an unknown or unsupported one is an
+    error), else the fastest of :data:`KERNEL_PATHS` whose CPU flags ``flags`` (default: this CPU's) has."""
+    flags = cpu_flags() if flags is None else flags
+    supported = [name for name, (needs, _) in KERNEL_PATHS.items() if all(f in flags for f in needs)]
+    forced = os.environ.get(KERNEL_ENV)
+    if forced:
+        if forced not in KERNEL_PATHS:
+            raise NativeUnavailable(f"${KERNEL_ENV}={forced}: not a kernel path (one of {', '.join(KERNEL_PATHS)})")
+        if forced not in supported:
+            raise NativeUnavailable(f"${KERNEL_ENV}={forced}: this CPU lacks {', '.join(KERNEL_PATHS[forced][0])}")
+        return forced
+    return supported[0]
+
+
 def unavailable_reason() -> str | None:
     """None where the native target can be built and run here, else why not (one line)."""
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -71,25 +98,31 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def library_path(build_dir: Path, cxx: str) -> Path:
-    """Where the library of this source, these flags and this compiler lives."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([cxx, *FLAGS]).encode()).hexdigest()[:16]
-    return Path(build_dir) / f"clover_cpu_target-{digest}.so"
+def compile_flags(path: str) -> list[str]:
+    return [*FLAGS, *KERNEL_PATHS[path][1]]
 
 
-def build_library(build_dir: Path) -> Path:
-    """Compile the library once into ``build_dir`` (atomic rename: concurrent builders do not clash)."""
+def library_path(build_dir: Path, cxx: str, path: str) -> Path:
+    """Where the library of this source, kernel path, flags and compiler lives."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([cxx, *compile_flags(path)]).encode()).hexdigest()[:16]
+    return Path(build_dir) / f"clover_cpu_target-{path}-{digest}.so"
+
+
+def build_library(build_dir: Path, kernel: str) -> Path:
+    """Compile the library of kernel path ``kernel`` once into ``build_dir`` (atomic rename: concurrent builders
+    do not clash)."""
     reason = unavailable_reason()
     if reason:
         raise NativeUnavailable(reason)
     cxx = compiler()
-    path = library_path(build_dir, cxx)
+    path = library_path(build_dir, cxx, kernel)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         staged = Path(tmp) / path.name
-        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(staged)], capture_output=True, text=True)
+        done = subprocess.run([cxx, *compile_flags(kernel), str(SOURCE), "-o", str(staged)], capture_output=True,
+                              text=True)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
             raise NativeUnavailable(f"the exact int8 CPU target did not compile with {cxx}: {first}")
@@ -98,8 +131,8 @@ def build_library(build_dir: Path) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def load_library(build_dir: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build_library(Path(build_dir))))
+def load_library(build_dir: str, kernel: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library(Path(build_dir), kernel)))
     f32p, u8p, i32p, i64p = (ctypes.POINTER(t) for t in (ctypes.c_float, ctypes.c_uint8, ctypes.c_int32, ctypes.c_int64))
     lib.clover_model_new.restype = ctypes.c_void_p
     lib.clover_model_new.argtypes = [ctypes.POINTER(ModelDesc)]
@@ -135,12 +168,31 @@ def _f32p(array: np.ndarray):
     return _ptr(array, ctypes.c_float)
 
 
-def linear(build_dir: str, weight: np.ndarray, fmt: str, n: int, k: int, x: np.ndarray) -> np.ndarray:
+def repack(weight: np.ndarray, fmt: str, n: int, k: int) -> np.ndarray:
+    """GGUF blocks ``weight`` (uint8 ``[n, k/32 * block bytes]``: n output columns' rows of Q4_1 or Q8_0 blocks) in
+    the kernel's layout (docs/quantized-target.md#the-repacked-layout), flat uint8: columns in groups of 8 (the
+    last padded with zero blocks), each group's blocks in input order; a block holds the 8 columns' fp16 scales
+    (Q4_1: d, then m) and then chunks of 4 inputs x 8 columns (Q4_1: 4 chunks of the stored nibble bytes 4i..4i+3,
+    low nibbles inputs 4i.., high nibbles inputs 16 + 4i..; Q8_0: 8 chunks of inputs 4i..4i+3)."""
+    nb, size = k // 32, BLOCK_BYTES[fmt]
+    groups = -(-n // GROUP)
+    padded = np.zeros((groups * GROUP, nb, size), np.uint8)
+    padded[:n] = np.asarray(weight, np.uint8).reshape(n, nb, size)
+    blocks = padded.reshape(groups, GROUP, nb, size).transpose(0, 2, 1, 3)  # [group, block, column, bytes]
+    scales = 4 if fmt == "q4_1" else 2
+    fp16 = [blocks[..., s:s + 2].reshape(groups, nb, 2 * GROUP) for s in range(0, scales, 2)]
+    chunks = blocks[..., scales:].reshape(groups, nb, GROUP, -1, 4).transpose(0, 1, 3, 2, 4)  # [.., chunk, column, 4]
+    return np.concatenate([*fp16, chunks.reshape(groups, nb, -1)], axis=-1).reshape(-1)
+
+
+def linear(build_dir: str, weight: np.ndarray, fmt: str, n: int, k: int, x: np.ndarray,
+           kernel: str | None = None) -> np.ndarray:
     """``int8(x) @ w.T`` for GGUF blocks ``weight`` (uint8 ``[n, k/32 * block bytes]``) and fp32 ``x`` ``[rows, k]``:
-    the pass's matmul alone, its activations quantised per row as in a pass."""
-    weight, x = np.ascontiguousarray(weight, np.uint8), np.ascontiguousarray(x, np.float32)
+    the pass's matmul alone (on kernel path ``kernel``, default this CPU's), its activations quantised per row as
+    in a pass."""
+    packed, x = repack(weight, fmt, n, k), np.ascontiguousarray(x, np.float32)
     out = np.empty((x.shape[0], n), np.float32)
-    load_library(build_dir).clover_linear(_ptr(weight, ctypes.c_uint8), FORMATS[fmt], n, k, _f32p(x), x.shape[0],
+    load_library(build_dir, kernel or kernel_path()).clover_linear(_ptr(packed, ctypes.c_uint8), FORMATS[fmt], n, k, _f32p(x), x.shape[0],
                                           _f32p(out))
     return out
 
@@ -152,7 +204,7 @@ def tree_attention(build_dir: str, q, k, v, k_cache, v_cache, past_lengths, pack
     mask = np.ascontiguousarray(packed_mask, np.int32)
     batch, tokens, heads, d = arrays[0].shape
     out = np.empty_like(arrays[0])
-    load_library(build_dir).clover_tree_attention(*map(_f32p, arrays), _ptr(past, ctypes.c_int32),
+    load_library(build_dir, kernel_path()).clover_tree_attention(*map(_f32p, arrays), _ptr(past, ctypes.c_int32),
                                                   _ptr(mask, ctypes.c_int32), batch, tokens, heads, k.shape[2], d,
                                                   k_cache.shape[2], mask.shape[-1], _f32p(out))
     return out
@@ -162,8 +214,13 @@ class NativeTarget:
     """The target of a ``target_native.safetensors`` (:mod:`clover.export.native_target` writes it), run by the
     compiled library: :meth:`forward` is one call per pass."""
 
-    def __init__(self, tensors: dict[str, np.ndarray], config: dict, build_dir: str, threads: int | None = None):
-        self._lib = load_library(str(build_dir))
+    def __init__(self, tensors: dict[str, np.ndarray], config: dict, build_dir: str, threads: int | None = None,
+                 kernel: str | None = None):
+        if config.get("layout_version", 1) != LAYOUT_VERSION:
+            raise ValueError(f"weights in layout {config.get('layout_version', 1)}, the kernel reads layout "
+                             f"{LAYOUT_VERSION}")
+        self.kernel_path = kernel or kernel_path()
+        self._lib = load_library(str(build_dir), self.kernel_path)
         self.config = config
         self._tensors = {name: np.ascontiguousarray(a) for name, a in tensors.items()}  # owned: the library reads them
         self.threads = threads or os.cpu_count() or 1
