@@ -41,7 +41,7 @@ from clover.stats import StepOutcome
 from clover.timing import median_seconds
 
 DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-VANILLA_PROBE_AFTER = 4  # speculative steps of a batch size before its one timed vanilla step
+VANILLA_PROBE_AFTER = 4  # speculative steps of a batch size before its first timed vanilla step
 
 
 def _interpolate(points: Sequence[Sequence[float]], x: float) -> float:
@@ -267,7 +267,7 @@ class AdaptiveBudget:
         # (batch, budget) -> measured step seconds / the cost model's, an EMA: the calibration times one sequence
         # of batch x tree tokens, which can miss what a real batch costs (docs/results/defaults, 2026-12-02)
         self._time_ratio: dict[tuple[int, int], float] = {}
-        self._untimed_steps: dict[int, int] = {}  # batch -> speculative steps before any vanilla step was timed
+        self._untimed_steps: dict[int, int] = {}  # batch -> speculative steps since its last vanilla step
 
     def choose(self, batch: int) -> int:
         budget = self._choices.get(batch)
@@ -275,6 +275,7 @@ class AdaptiveBudget:
             budget = best_budget(self._rates(batch, self.budgets))
             self._choices[batch] = budget
         if budget == 0:
+            self._untimed_steps[batch] = 0
             budget = self._probe_speculative(batch)
         else:
             self._vanilla_run = 0
@@ -294,13 +295,18 @@ class AdaptiveBudget:
         return 0
 
     def _probe_vanilla(self, batch: int, budget: int) -> int:
-        """A tree was chosen: once per batch size, after a few such steps, run one vanilla step instead, to time
-        the yardstick the trees' measured times are weighed against (without it a uniformly slow machine and
-        relatively costly trees look the same)."""
-        if not self.step_timing or not self.explore_every or (batch, 0) in self._time_ratio:
+        """A tree was chosen: after a few such steps, and then every ``explore_every`` of them, run one vanilla
+        step instead, to time the yardstick the trees' measured times are weighed against. Without it a uniformly
+        slow machine and relatively costly trees look the same, and once load comes or goes (another job on the
+        other core) the yardstick would stay what it was (docs/trees.md#adaptive-budget-under-load)."""
+        if not self.step_timing or not self.explore_every:
             return budget
-        self._untimed_steps[batch] = self._untimed_steps.get(batch, 0) + 1
-        return 0 if self._untimed_steps[batch] > VANILLA_PROBE_AFTER else budget
+        since = self._untimed_steps[batch] = self._untimed_steps.get(batch, 0) + 1
+        due = self.explore_every if (batch, 0) in self._time_ratio else VANILLA_PROBE_AFTER
+        if since <= due:
+            return budget
+        self._untimed_steps[batch] = 0
+        return 0
 
     def _rates(self, batch: int, budgets: Iterable[int]) -> dict[int, float]:
         """Expected tokens/s per budget: the cost model's, scaled by what steps of that batch and budget took."""

@@ -353,6 +353,30 @@ def test_measured_step_times_correct_a_cost_model_that_rates_trees_too_cheap(tre
     assert (chooser.choose(8) > 0) == keeps_drafting
 
 
+def test_the_vanilla_yardstick_is_timed_again_while_trees_run_so_load_that_comes_later_is_seen():
+    """Trees pay (tau 2 at the model's cost of one vanilla step): the chooser drafts, runs one vanilla step after
+    VANILLA_PROBE_AFTER trees and then one every explore_every trees, never two in a row, so the yardstick the
+    trees are weighed against is never older than explore_every steps. When load then slows vanilla steps 2x and
+    trees 5x (a 2-thread pass stalls on a busy core more than a lone row), the chooser turns to vanilla, but for
+    its exploring trees."""
+    from clover.adaptive import VANILLA_PROBE_AFTER
+
+    cost = CostModel(target=[[1, 0.010], [64, 0.010]], draft=[[1, 1e-6], [64, 1e-6]])
+    chooser = AdaptiveBudget(cost, depth=3, top_k=8, max_budget=4, explore_every=8)
+    chooser.acceptance.observe(4, 2.0, weight=1000)
+    budgets = []
+    for step in range(60):
+        budget = chooser.choose(1)
+        budgets.append(budget)
+        load = (2.0 if budget == 0 else 5.0) if step >= 40 else 1.0
+        chooser.observe_time(1, budget, 0.010 * load)
+        chooser.acceptance.observe(4, 2.0, weight=1000)
+    vanilla = [i for i, b in enumerate(budgets[:40]) if b == 0]
+    assert vanilla[0] == VANILLA_PROBE_AFTER and all(b - a == 9 for a, b in zip(vanilla, vanilla[1:])), vanilla
+    assert len(vanilla) >= 3
+    assert budgets[50:].count(0) >= 8, budgets[40:]
+
+
 def test_the_decode_loop_reports_every_step_time_to_the_chooser(monkeypatch):
     """Each decode step's batch size, budget and wall time reach AdaptiveBudget.observe_time (the default),
     and none do with step_timing=False."""

@@ -41,32 +41,87 @@ def _int8_reference(x: np.ndarray) -> np.ndarray:
     return (q * (peak / 127)).reshape(x.shape)
 
 
+def _paths_here() -> list[str]:
+    """The kernel paths this CPU can run (each is tested on its own machine; docs/quantized-target.md)."""
+    flags = cpu_target.cpu_flags()
+    return [name for name, (needs, _) in cpu_target.KERNEL_PATHS.items() if all(f in flags for f in needs)]
+
+
+PATHS = pytest.mark.parametrize("kernel", list(cpu_target.KERNEL_PATHS))
+
+
+def _skip_unless_here(kernel: str) -> None:
+    if kernel not in _paths_here():
+        pytest.skip(f"this CPU cannot run the {kernel} path (it lacks {', '.join(cpu_target.KERNEL_PATHS[kernel][0])})")
+
+
+@PATHS
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_linear_computes_int8_activations_times_the_stored_blocks(build_dir, fmt):
+def test_linear_computes_int8_activations_times_the_stored_blocks(build_dir, fmt, kernel):
+    """Columns 77 (no multiple of the 8-column groups: the padded group's lanes must not leak) and 7 rows."""
     from clover.export.target_weights import quantize_gguf
 
+    _skip_unless_here(kernel)
     rng = np.random.default_rng(1)
-    stored = quantize_gguf(rng.standard_normal((72, 96)).astype(np.float32), fmt)
+    stored = quantize_gguf(rng.standard_normal((77, 96)).astype(np.float32), fmt)
     x = rng.standard_normal((7, 96)).astype(np.float32)
     expected = _int8_reference(x) @ stored.dequantize().T
-    got = cpu_target.linear(build_dir, stored.data, fmt, 72, 96, x)
+    got = cpu_target.linear(build_dir, stored.data, fmt, 77, 96, x, kernel=kernel)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4 * np.abs(expected).max())
 
 
+@PATHS
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_a_rows_linear_output_is_the_same_in_any_pass(build_dir, fmt):
-    """Alone, first, last or in the middle of 2-13 rows (row tiles of 4 and every remainder): the same bits."""
+def test_a_rows_linear_output_is_the_same_in_any_pass(build_dir, fmt, kernel):
+    """Alone, first, last or in the middle of 2-33 rows (every row tile and remainder), over 61 columns (seven
+    8-column groups and a part group): the same bits."""
     from clover.export.target_weights import quantize_gguf
 
+    _skip_unless_here(kernel)
     rng = np.random.default_rng(2)
-    stored = quantize_gguf(rng.standard_normal((40, 64)).astype(np.float32), fmt)
+    stored = quantize_gguf(rng.standard_normal((61, 64)).astype(np.float32), fmt)
     row = rng.standard_normal((1, 64)).astype(np.float32)
-    alone = cpu_target.linear(build_dir, stored.data, fmt, 40, 64, row)[0]
-    for rows in range(2, 14):
-        for where in sorted({0, rows // 2, rows - 1}):
-            x = rng.standard_normal((rows, 64)).astype(np.float32)
-            x[where] = row[0]
-            assert np.array_equal(cpu_target.linear(build_dir, stored.data, fmt, 40, 64, x)[where], alone), (rows, where)
+    alone = cpu_target.linear(build_dir, stored.data, fmt, 61, 64, row, kernel=kernel)[0]
+    for rows in range(2, 34):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        wheres = sorted({0, rows // 2, rows - 1})
+        x[wheres] = row[0]
+        out = cpu_target.linear(build_dir, stored.data, fmt, 61, 64, x, kernel=kernel)
+        for where in wheres:
+            assert np.array_equal(out[where], alone), (rows, where)
+
+
+def test_every_kernel_path_here_computes_the_same_bits(build_dir):
+    """The paths differ only in integer instructions (exact), so a matrix gives the same floats on each."""
+    from clover.export.target_weights import quantize_gguf
+
+    paths = _paths_here()
+    if len(paths) < 2:
+        pytest.skip(f"this CPU runs one kernel path only ({paths[0]})")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((9, 128)).astype(np.float32)
+    for fmt in ("q4_1", "q8_0"):
+        stored = quantize_gguf(rng.standard_normal((45, 128)).astype(np.float32), fmt)
+        outs = [cpu_target.linear(build_dir, stored.data, fmt, 45, 128, x, kernel=k) for k in paths]
+        assert all(np.array_equal(outs[0], out) for out in outs[1:]), (fmt, paths)
+
+
+def test_the_lm_head_gives_a_row_the_same_logits_in_any_pass(build_dir):
+    """The demo's LM head (its tied Q8_0 embedding, 49,152 columns): a row alone and among 5, 9 and 33 rows."""
+    from gguf import GGUFReader
+
+    from clover.demo import find_demo_gguf
+
+    head = next(t for t in GGUFReader(str(find_demo_gguf())).tensors if t.name == "token_embd.weight")
+    assert head.tensor_type.name == "Q8_0"
+    k, n = (int(s) for s in head.shape)  # GGUF lists the input size first
+    rng = np.random.default_rng(4)
+    row = rng.standard_normal((1, k)).astype(np.float32)
+    alone = cpu_target.linear(build_dir, head.data, "q8_0", n, k, row)[0]
+    for rows in (5, 9, 33):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        x[rows // 2] = row[0]
+        assert np.array_equal(cpu_target.linear(build_dir, head.data, "q8_0", n, k, x)[rows // 2], alone), rows
 
 
 def _random_attention(rng, batch, tokens, past, heads=6, kv_heads=2, d=32, cache_len=48):
