@@ -69,8 +69,17 @@ class EngineMeta:
         if self.contract_version is None:
             self.contract_version = contract_version_for(self.num_draft_kv_layers, self.attention)
 
+    @property
+    def runtimes(self) -> dict[str, str]:
+        """What runs each part of a step (written into ``engine.json`` for its readers; derived, never read):
+        the target in Clover's exact int8 CPU kernel where the engine holds its weights (onnxruntime's
+        ``target.onnx`` only where that kernel cannot run), everything else on the backend."""
+        target = "clover-cpu-int8" if self.files.get("target_native") else self.backend
+        return {"target": target, **{role: self.backend for role in ("draft_step", "draft_prefill") if self.files.get(role)}}
+
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["runtimes"] = self.runtimes
         if not self.num_draft_kv_layers:
             del data["num_draft_kv_layers"]  # engine.json of a contract-v1 engine stays as it was
         if self.target_quantization is None:

@@ -12,9 +12,9 @@ graph with standard attention, runs it and returns the new tokens' K/V.
 Other engines (``standard`` attention) return the new tokens' K/V as numpy
 arrays over onnxruntime's own buffers, without a copy.
 
-An engine built with ``--target-compute int8-exact`` also holds ``target_native.safetensors``: there the
-target runs in Clover's own CPU kernel (:mod:`clover.kernels.cpu_target`, one call per pass, in place like
-``gqa``), and ``target.onnx`` (fp32 compute) only where that kernel cannot run on this machine.
+An engine built with ``--target-compute int8-exact`` also holds ``target_native.safetensors``: its target
+passes run in Clover's own CPU kernel (:class:`clover.backends.cpu_int8.CpuInt8Target`), its draft steps here,
+and ``target.onnx`` (fp32 compute) only where that kernel cannot run on this machine.
 """
 
 from __future__ import annotations
@@ -83,27 +83,10 @@ class _Memory:
                                     "strides": tuple(stride * size for stride in tensor.stride())}
 
 
-def load_native_target(engine_dir: Path, meta: EngineMeta, threads: int | None):
-    """The engine's exact int8 CPU target, or None (with a one-line note on stderr) where this machine cannot run
-    it: then ``target.onnx`` (fp32 compute) runs instead (docs/quantized-target.md#the-exact-int8-engine)."""
-    from clover.demo import cache_root
-    from clover.export.native_target import read_native_target
-    from clover.kernels import cpu_target
-
-    try:
-        reason = cpu_target.unavailable_reason()
-        if reason:
-            raise cpu_target.NativeUnavailable(reason)
-        tensors, config = read_native_target(engine_dir / meta.files["target_native"])
-        return cpu_target.NativeTarget(tensors, config, str(cache_root() / "kernels"), threads)
-    except cpu_target.NativeUnavailable as exc:
-        print(f"[clover] {exc}; running onnxruntime's target (q4 weights, fp32 compute) instead", file=sys.stderr,
-              flush=True)
-        return None
-
-
 class OnnxRuntimeEngine:
-    """Runs ``target.onnx`` and ``draft_step.onnx`` of an engine directory (and Clover-2's ``draft_prefill.onnx``)."""
+    """Runs ``target.onnx`` and ``draft_step.onnx`` of an engine directory (and Clover-2's ``draft_prefill.onnx``);
+    an int8-exact engine's target passes run in Clover's kernel instead (:attr:`native`, a
+    :class:`~clover.backends.cpu_int8.CpuInt8Target`)."""
 
     def __init__(self, engine_dir: str | Path, threads: int | None = None, meta: EngineMeta | None = None) -> None:
         self.engine_dir = Path(engine_dir)
@@ -116,15 +99,7 @@ class OnnxRuntimeEngine:
         for name in filter(None, (files.get(role) for role in ("target", "target_batched", "draft_step", "draft_prefill"))):
             if not (self.engine_dir / name).exists():
                 raise ConfigError(f"{engine_dir}: {name} is missing; rebuild the engine")
-        self.target_session = open_session(self.engine_dir / files["target"], threads)
-        self.native = load_native_target(self.engine_dir, meta, threads) if files.get("target_native") else None
-        self.in_place = meta.attention == "gqa"  # contract v3: the target writes the KV cache itself
-        # in target_batched.onnx: the cost model prices them apart (the native target runs them in one pass)
-        self.runs_batched_trees_apart = self.in_place and self.native is None
-        batched = files.get("target_batched")
-        self.batched_session = open_session(self.engine_dir / batched, threads) if self.in_place and batched else None
-        if self.in_place and self.batched_session is None:
-            raise ConfigError(f"{engine_dir}: a gqa engine needs target_batched.onnx; rebuild the engine")
+        self._open_target(files, threads)
         draft = files.get("draft_step")
         self.draft_session = open_session(self.engine_dir / draft, threads) if draft else None
         prefill = files.get("draft_prefill")
@@ -144,9 +119,33 @@ class OnnxRuntimeEngine:
         self._draft_cache_names = draft_cache_input_names(num_draft_kv)
         self._prefill_outputs = [*DRAFT_PREFILL_OUTPUTS, *draft_present_output_names(num_draft_kv)]
 
+    def _open_target(self, files: dict, threads: int | None) -> None:
+        from clover.backends.cpu_int8 import CpuInt8Target
+
+        self.native = CpuInt8Target.open(self.engine_dir, self.meta, threads) if files.get("target_native") else None
+        if self.native is not None:  # target.onnx stays the fallback where the kernel cannot run
+            self.target_session = self.batched_session = None
+            self.in_place, self.runs_batched_trees_apart = True, False  # several trees run in one pass
+            return
+        self.target_session = open_session(self.engine_dir / files["target"], threads)
+        self.in_place = self.meta.attention == "gqa"  # contract v3: the target writes the KV cache itself
+        # several sequences' trees run in target_batched.onnx: the cost model prices them apart
+        self.runs_batched_trees_apart = self.in_place
+        batched = files.get("target_batched")
+        self.batched_session = open_session(self.engine_dir / batched, threads) if self.in_place and batched else None
+        if self.in_place and self.batched_session is None:
+            raise ConfigError(f"{self.engine_dir}: a gqa engine needs target_batched.onnx; rebuild the engine")
+
+    def describe_runtimes(self) -> str:
+        """What runs each part of a step, in one line."""
+        quantized = self.meta.target_quantization or {}
+        precision = f"{quantized['weights']} weights, fp32 compute" if quantized else self.spec.dtype
+        target = self.native.describe() if self.native is not None else f"onnxruntime ({precision})"
+        return f"target: {target}; drafts: onnxruntime"
+
     def target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
         if self.native is not None:
-            return self._native_target(input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache)
+            return self._timed(self.native, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache)
         feeds = {
             "input_ids": input_ids.contiguous().numpy(),
             "position_ids": position_ids.contiguous().numpy(),
@@ -170,34 +169,6 @@ class OnnxRuntimeEngine:
         outputs = [torch.from_numpy(o) for o in self._run(session, self._target_outputs, feeds)]
         presents = outputs[2:]
         return TargetResult(outputs[0], outputs[1], presents[0::2], presents[1::2])
-
-    def _native_target(self, input_ids, position_ids, past_lengths, packed_mask, k_cache, v_cache) -> TargetResult:
-        """The exact int8 target: one native call, the new tokens' K/V written into the cache (contract v3)."""
-        ids, positions = input_ids.contiguous().numpy(), position_ids.contiguous().numpy()
-        past = past_lengths.to(torch.int32).contiguous().numpy()
-        tokens = ids.shape[1]
-        fits = not past.size or int(past.max()) + tokens <= k_cache[0].shape[2]
-        if not fits and len(set(past.tolist())) > 1:
-            raise ValueError("a cache shorter than past + T needs equal past lengths")
-        caches = (k_cache, v_cache) if fits else self._room_for(k_cache, v_cache, past, tokens)
-        self.native.check_pass(ids, positions, past, caches[0])
-        logits, h0 = self._timed(self.native.forward, ids, positions, past, packed_mask.contiguous().numpy(), *caches)
-        if fits:
-            return TargetResult(torch.from_numpy(logits), torch.from_numpy(h0), None, None)
-        # a caller's shorter cache (contract v1 allows it) gets the new tokens' K/V back, as target_batched.onnx does
-        presents = [[c[:, :, int(past.max()):] for c in kind] for kind in caches]
-        return TargetResult(torch.from_numpy(logits), torch.from_numpy(h0), *presents)
-
-    @staticmethod
-    def _room_for(k_cache, v_cache, past: np.ndarray, tokens: int):
-        """Copies of the caches with room for ``tokens`` more positions after the longest past."""
-        length = (int(past.max()) if past.size else 0) + tokens
-
-        def grown(cache):
-            room = torch.zeros(*cache.shape[:2], length, cache.shape[3], dtype=torch.float32)
-            room[:, :, : min(length, cache.shape[2])] = cache[:, :, :length]
-            return room
-        return [grown(c) for c in k_cache], [grown(c) for c in v_cache]
 
     def _target_in_place(self, binding, feeds: dict) -> TargetResult:
         """The ``gqa`` graph with each present bound to its past's memory (``binding``: :meth:`_binding_for`): the

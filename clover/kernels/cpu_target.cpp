@@ -392,13 +392,22 @@ inline void store_group(float* out, __m256 v, int valid, bool accumulate) {
   for (int i = 0; i < valid; ++i) out[i] = accumulate ? out[i] + lanes[i] : lanes[i];
 }
 
+// the weights are read once per pass, in order: ask for them a few blocks ahead of their use
+inline void prefetch_ahead(const Packed& w, int g, int b) {
+  constexpr int kAhead = 4;
+  const uint8_t* p = w.data + (int64_t(g) * w.blocks() + b + kAhead) * w.block_bytes();
+  for (int line = 0; line < w.block_bytes(); line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
 // group g's 8 columns for rows [r0, r0 + R)
 template <int R>
 void group_q4_1(const Packed& w, int g, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
   __m256 acc[R], mins[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = _mm256_setzero_ps();
   for (int b = 0; b < w.blocks(); ++b) {
+    prefetch_ahead(w, g, b);
     const Q41Block block = load_q4_1(w.block(g, b));
+#pragma GCC unroll 8  // unrolled, the accumulators stay in registers
     for (int r = 0; r < R; ++r) {
       const __m256 sums = _mm256_cvtepi32_ps(isum_q4_1(block, a.qs(r0 + r) + b * kBlock));
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(a.ds(r0 + r)[b])), sums, acc[r]);
@@ -414,7 +423,9 @@ void group_q8_0(const Packed& w, int g, const Activations& a, int r0, float* out
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int b = 0; b < w.blocks(); ++b) {
+    prefetch_ahead(w, g, b);
     const Q80Block block = load_q8_0(w.block(g, b));
+#pragma GCC unroll 8  // unrolled, the accumulators stay in registers
     for (int r = 0; r < R; ++r) {
       const __m256 sums = _mm256_cvtepi32_ps(isum_q8_0(block, a.qs(r0 + r) + b * kBlock, a.sum(r0 + r)[b]));
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(a.ds(r0 + r)[b])), sums, acc[r]);
