@@ -30,7 +30,7 @@ import pytest
 pytestmark = pytest.mark.slow  # about 1 min on 2 cores (56 s, 2026-12-04): a wheel, a venv, a demo engine, two servers
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEEL_SOURCES = ("pyproject.toml", "README.md", "clover", "trt_plugins")  # what setuptools reads to build it
+WHEEL_SOURCES = ("pyproject.toml", "setup.py", "README.md", "clover", "trt_plugins")  # what setuptools reads to build it
 # what a user needs without a checkout, beside the modules: the Triton template, the build's entry point, the
 # kernel sources the GPU path compiles, the shipped heads
 PACKAGE_DATA = ("clover/serving/triton_template/model.py", "clover/export/__main__.py",
@@ -109,6 +109,24 @@ def test_the_installed_package_runs_from_the_venv(installed):
     sources = _run([bin_dir / "python", "-c", "import clover.kernels as ext; print(*ext.SOURCES, sep='\\n')"],
                    env, user).stdout.split()
     assert sources and all(Path(path).is_file() and Path(path).is_relative_to(purelib) for path in sources), sources
+
+
+def test_the_wheel_runs_the_exact_int8_kernel_without_a_compiler(installed):
+    """The wheel ships the CPU kernel compiled, one library per kernel path: with no C++ compiler on the PATH the
+    installed package loads the library of this CPU's path from the package, compiling nothing."""
+    from clover.kernels import cpu_build, cpu_target
+
+    if cpu_target.unavailable_reason():
+        pytest.skip(cpu_target.unavailable_reason())
+    bin_dir, env, user, purelib = installed
+    shipped = sorted(p.name for p in (purelib / "clover" / "kernels" / cpu_build.PREBUILT).glob("*.so"))
+    assert shipped == sorted(cpu_build.library_name(path) for path in cpu_build.KERNEL_PATHS), shipped
+    no_compiler = {**env, "PATH": str(bin_dir)}
+    no_compiler.pop("CXX", None)
+    code = ("from clover.kernels import cpu_target as t; import tempfile; "
+            "print(t.compiler(), t.unavailable_reason(), t.load_library(tempfile.mkdtemp(), t.kernel_path())._name)")
+    said = _run([bin_dir / "python", "-c", code], no_compiler, user).stdout.split()
+    assert said[:2] == ["None", "None"] and Path(said[2]).parent == purelib / "clover" / "kernels" / cpu_build.PREBUILT
 
 
 @pytest.fixture(scope="module")

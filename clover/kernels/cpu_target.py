@@ -18,37 +18,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-SOURCE = Path(__file__).resolve().parent / "cpu_target.cpp"
-# -ffp-contract=off: a written multiply and add stay two roundings in every instantiation (invariance)
-FLAGS = ["-O3", "-std=c++20", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
-REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-# kernel path -> (the CPU flags it needs beyond REQUIRED_CPU_FLAGS, its compiler flags), fastest first
-KERNEL_PATHS = {
-    "avx512-vnni": (("avx512f", "avx512vl", "avx512bw", "avx512_vnni"),
-                    ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DCLOVER_AVX512_VNNI"]),
-    "avx-vnni": (("avx_vnni",), ["-mavxvnni", "-DCLOVER_AVX_VNNI"]),
-    "avx2": ((), []),
-}
+from clover.kernels.cpu_build import KERNEL_PATHS, REQUIRED_CPU_FLAGS, NativeUnavailable, compiler, library, \
+    prebuilt_library
+
 KERNEL_ENV = "CLOVER_CPU_KERNEL"
 FORMATS = {"q4_1": 0, "q8_0": 1}
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 GROUP = 8  # output columns interleaved per block in the repacked layout (cpu_target.cpp: kGroup)
 PACKED_BLOCK_BYTES = {"q4_1": 16 + 16 + 4 * 32, "q8_0": 16 + 8 * 32}
 LAYOUT_VERSION = 2  # 1: GGUF rows as stored (until 2026-12-07); 2: repack()'s interleaved groups
-
-
-class NativeUnavailable(RuntimeError):
-    """The native target cannot run here; the message says why in one line."""
 
 
 def cpu_flags() -> set[str]:
@@ -61,14 +45,6 @@ def cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
-
-
-def compiler() -> str | None:
-    """The C++ compiler: ``$CXX``, else g++ or c++ on the PATH."""
-    for name in filter(None, (os.environ.get("CXX"), "g++", "c++")):
-        if shutil.which(name):
-            return name
-    return None
 
 
 def kernel_path(flags: set[str] | None = None) -> str:
@@ -93,41 +69,17 @@ def unavailable_reason() -> str | None:
     missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]
     if missing:
         return f"the exact int8 CPU target needs {', '.join(f.upper() for f in missing)}, which this CPU lacks"
-    if compiler() is None:
+    if compiler() is None and not any(prebuilt_library(path) for path in KERNEL_PATHS):
         return "the exact int8 CPU target is compiled on first use and no C++ compiler was found (install g++)"
     return None
 
 
-def compile_flags(path: str) -> list[str]:
-    return [*FLAGS, *KERNEL_PATHS[path][1]]
-
-
-def library_path(build_dir: Path, cxx: str, path: str) -> Path:
-    """Where the library of this source, kernel path, flags and compiler lives."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([cxx, *compile_flags(path)]).encode()).hexdigest()[:16]
-    return Path(build_dir) / f"clover_cpu_target-{path}-{digest}.so"
-
-
 def build_library(build_dir: Path, kernel: str) -> Path:
-    """Compile the library of kernel path ``kernel`` once into ``build_dir`` (atomic rename: concurrent builders
-    do not clash)."""
+    """Kernel path ``kernel``'s library: the wheel's, else compiled once into ``build_dir``."""
     reason = unavailable_reason()
     if reason:
         raise NativeUnavailable(reason)
-    cxx = compiler()
-    path = library_path(build_dir, cxx, kernel)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        staged = Path(tmp) / path.name
-        done = subprocess.run([cxx, *compile_flags(kernel), str(SOURCE), "-o", str(staged)], capture_output=True,
-                              text=True)
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise NativeUnavailable(f"the exact int8 CPU target did not compile with {cxx}: {first}")
-        os.replace(staged, path)
-    return path
+    return library(Path(build_dir), kernel)
 
 
 @functools.lru_cache(maxsize=None)
