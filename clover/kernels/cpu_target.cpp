@@ -210,19 +210,24 @@ inline float f16(const uint8_t* p) {
 // ---------------------------------------------------------------------------------------------------------
 // int8 activations: per row, blocks of 32, symmetric, d = max|x| / 127 (llama.cpp's Q8_1: s = d * sum(q))
 
+// Stored in tiles of kRowTile rows, block-major inside a tile (row r, block b at tile r / kRowTile, then b, then
+// r % kRowTile), so a matmul tile finds the block b of its rows at fixed offsets from one pointer.
 struct Activations {
-  int8_t* q = nullptr;   // [rows, K]
-  float* d = nullptr;    // [rows, K/32]
-  float* s = nullptr;    // [rows, K/32]
-  int32_t* sums = nullptr;  // [rows, K/32] the integer sum(q) of each block
+  int8_t* q = nullptr;      // [tiles, K/32, kRowTile, 32]
+  float* d = nullptr;       // [tiles, K/32, kRowTile]
+  float* s = nullptr;       // [tiles, K/32, kRowTile]
+  int32_t* sums = nullptr;  // [tiles, K/32, kRowTile] the integer sum(q) of each block
   int k = 0;
-  const int8_t* qs(int r) const { return q + static_cast<int64_t>(r) * k; }
-  const float* ds(int r) const { return d + static_cast<int64_t>(r) * (k / kBlock); }
-  const float* ss(int r) const { return s + static_cast<int64_t>(r) * (k / kBlock); }
-  const int32_t* sum(int r) const { return sums + static_cast<int64_t>(r) * (k / kBlock); }
+  int64_t blocks() const { return k / kBlock; }
+  // the tile of rows [r0, r0 + kRowTile), r0 a multiple of kRowTile: block b of its row r at q_tile + b * kRowTile
+  // * kBlock + r * kBlock, its scales at scale_tile + b * kRowTile + r
+  const int8_t* q_tile(int r0) const { return q + int64_t(r0) * k; }
+  int64_t scale_tile(int r0) const { return int64_t(r0) * blocks(); }
+  int64_t row_offset(int r) const { return int64_t(r - r % kRowTile) * blocks() + r % kRowTile; }  // in scales
 };
 
-void quantize_row(const float* x, int k, int8_t* q, float* d, float* s, int32_t* sums) {
+// one row x [k] into q / d / s / sums, whose consecutive blocks lie `stride` elements (scales) apart
+void quantize_row(const float* x, int k, int stride, int8_t* q, float* d, float* s, int32_t* sums) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
@@ -243,21 +248,21 @@ void quantize_row(const float* x, int k, int8_t* q, float* d, float* s, int32_t*
     }
     alignas(32) int32_t lanes[32];
     for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(lanes + 8 * i), packed[i]);
-    for (int i = 0; i < kBlock; ++i) q[b * kBlock + i] = static_cast<int8_t>(lanes[i]);
+    for (int i = 0; i < kBlock; ++i) q[int64_t(b) * stride * kBlock + i] = static_cast<int8_t>(lanes[i]);
     alignas(32) int32_t parts[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sum);
     int total = 0;
     for (int i = 0; i < 8; ++i) total += parts[i];
-    d[b] = scale;
-    s[b] = scale * static_cast<float>(total);
-    sums[b] = total;
+    d[b * stride] = scale;
+    s[b * stride] = scale * static_cast<float>(total);
+    sums[b * stride] = total;
   }
 }
 
 void quantize_rows(const float* x, int ldx, int r0, int r1, const Activations& a) {
   for (int r = r0; r < r1; ++r) {
-    const int64_t nb = a.k / kBlock;
-    quantize_row(x + r * int64_t(ldx), a.k, a.q + r * int64_t(a.k), a.d + r * nb, a.s + r * nb, a.sums + r * nb);
+    const int64_t at = a.row_offset(r);
+    quantize_row(x + r * int64_t(ldx), a.k, kRowTile, a.q + at * kBlock, a.d + at, a.s + at, a.sums + at);
   }
 }
 
@@ -404,14 +409,17 @@ template <int R>
 void group_q4_1(const Packed& w, int g, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
   __m256 acc[R], mins[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = _mm256_setzero_ps();
-  for (int b = 0; b < w.blocks(); ++b) {
+  const int8_t* xq = a.q_tile(r0);
+  const float* xd = a.d + a.scale_tile(r0);
+  const float* xs = a.s + a.scale_tile(r0);
+  for (int b = 0; b < w.blocks(); ++b, xq += kRowTile * kBlock, xd += kRowTile, xs += kRowTile) {
     prefetch_ahead(w, g, b);
     const Q41Block block = load_q4_1(w.block(g, b));
 #pragma GCC unroll 8  // unrolled, the accumulators stay in registers
     for (int r = 0; r < R; ++r) {
-      const __m256 sums = _mm256_cvtepi32_ps(isum_q4_1(block, a.qs(r0 + r) + b * kBlock));
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(a.ds(r0 + r)[b])), sums, acc[r]);
-      mins[r] = _mm256_fmadd_ps(block.m, _mm256_set1_ps(a.ss(r0 + r)[b]), mins[r]);
+      const __m256 sums = _mm256_cvtepi32_ps(isum_q4_1(block, xq + r * kBlock));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(xd[r])), sums, acc[r]);
+      mins[r] = _mm256_fmadd_ps(block.m, _mm256_set1_ps(xs[r]), mins[r]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -422,13 +430,16 @@ template <int R>
 void group_q8_0(const Packed& w, int g, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int b = 0; b < w.blocks(); ++b) {
+  const int8_t* xq = a.q_tile(r0);
+  const float* xd = a.d + a.scale_tile(r0);
+  const int32_t* xsum = a.sums + a.scale_tile(r0);
+  for (int b = 0; b < w.blocks(); ++b, xq += kRowTile * kBlock, xd += kRowTile, xsum += kRowTile) {
     prefetch_ahead(w, g, b);
     const Q80Block block = load_q8_0(w.block(g, b));
 #pragma GCC unroll 8  // unrolled, the accumulators stay in registers
     for (int r = 0; r < R; ++r) {
-      const __m256 sums = _mm256_cvtepi32_ps(isum_q8_0(block, a.qs(r0 + r) + b * kBlock, a.sum(r0 + r)[b]));
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(a.ds(r0 + r)[b])), sums, acc[r]);
+      const __m256 sums = _mm256_cvtepi32_ps(isum_q8_0(block, xq + r * kBlock, xsum[r]));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(xd[r])), sums, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) store_group(out + (r0 + r) * ldo + g * kGroup, acc[r], w.n - g * kGroup, accumulate);
@@ -710,10 +721,11 @@ class Model {
     grow(b_.act, size_t(rows) * c_.intermediate);
     grow(b_.features, size_t(rows) * h * std::max(1, c_.num_features));
     grow(b_.augment, size_t(rows) * h);
-    grow(b_.q, size_t(rows) * kmax);
-    grow(b_.d, size_t(rows) * kmax / kBlock);
-    grow(b_.s, size_t(rows) * kmax / kBlock);
-    grow(b_.sums, size_t(rows) * kmax / kBlock);
+    const size_t tiled = size_t(rows + kRowTile - 1) / kRowTile * kRowTile;  // activations are stored in whole tiles
+    grow(b_.q, tiled * kmax);
+    grow(b_.d, tiled * kmax / kBlock);
+    grow(b_.s, tiled * kmax / kBlock);
+    grow(b_.sums, tiled * kmax / kBlock);
     grow(b_.scores, size_t(pool_.size()) * ((keys + 7) / 8 * 8));
     grow(b_.visible, size_t(pool_.size()) * keys);
   }
@@ -862,9 +874,10 @@ void clover_model_forward(void* model, const int64_t* ids, const int64_t* positi
 
 // The linear alone (tests): out[rows, n] = int8(x) . w, w repacked, x fp32 [rows, k] quantised per row as in a pass.
 void clover_linear(const uint8_t* w, int32_t format, int32_t n, int32_t k, const float* x, int32_t rows, float* out) {
-  std::vector<int8_t> q(size_t(rows) * k);
-  std::vector<float> d(size_t(rows) * k / kBlock), s(size_t(rows) * k / kBlock);
-  std::vector<int32_t> sums(size_t(rows) * k / kBlock);
+  const size_t tiled = size_t(rows + kRowTile - 1) / kRowTile * kRowTile;
+  std::vector<int8_t> q(tiled * k);
+  std::vector<float> d(tiled * k / kBlock), s(tiled * k / kBlock);
+  std::vector<int32_t> sums(tiled * k / kBlock);
   Activations a{q.data(), d.data(), s.data(), sums.data(), k};
   quantize_rows(x, k, 0, rows, a);
   const Packed packed{w, format, n, k};
