@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -50,6 +51,8 @@ class Pool {
   static constexpr int kChunksPerThread = 4;   // items / (threads * 4) per claim: balance against claim traffic
   static constexpr int kHelperSpins = 20000;   // a helper spins this long for the next phase, then sleeps
   static constexpr int kCallerSpins = 2000;    // the caller spins this long for chunks in flight, then sleeps
+  static constexpr int kProbeEvery = 64;       // passes between tries of the way (all threads / caller alone) not taken
+  static constexpr int kTimedSizes = 65;       // pass sizes timed apart (rows; 64 and more share one)
 
  public:
   using Body = void (*)(const void* context, int lo, int hi, int thread);
@@ -65,11 +68,29 @@ class Pool {
   }
   int size() const { return threads_; }
 
+  // A pass of `rows` rows: on all threads, or on the caller alone, whichever was faster lately for passes of that
+  // size; the other way is tried once every kProbeEvery passes. Another job on the helpers' cores makes them late
+  // (the OS deschedules them while they hold a chunk), and one thread alone is then faster; when the job ends, the
+  // helpers pay again. Never changes a bit (docs/quantized-target.md#threads-on-a-busy-machine).
+  template <typename F>
+  void pass(int rows, const F& f) {
+    Timing& t = timing_[std::min(rows, kTimedSizes - 1)];
+    const bool faster_solo = t.solo > 0 && t.solo < t.parallel;
+    const bool probe = ++t.passes % kProbeEvery == 0 || (t.passes == kProbeEvery / 2 && t.solo == 0);
+    solo_ = threads_ > 1 && (faster_solo != probe);
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    double& mean = solo_ ? t.solo : t.parallel;
+    mean = mean == 0 ? seconds : 0.7 * mean + 0.3 * seconds;
+    solo_ = false;
+  }
+
   // f(lo, hi, thread) over [0, items), every item exactly once; returns when all are done
   template <typename F>
   void parallel_for(int items, const F& f) {
     if (items <= 0) return;
-    if (threads_ == 1 || items == 1) return f(0, items, 0);
+    if (threads_ == 1 || items == 1 || solo_) return f(0, items, 0);
     const uint64_t seq = (word_.load(std::memory_order_relaxed) >> 32) + 1;
     Slot& slot = slots_[seq % kSlots];
     slot.body.store(&invoke<F>, std::memory_order_relaxed);
@@ -161,6 +182,12 @@ class Pool {
   alignas(64) std::atomic<int> sleepers_{0};
   std::atomic<bool> caller_sleeps_{false};
   std::atomic<bool> stop_{false};
+  struct Timing {
+    double parallel = 0, solo = 0;  // seconds per pass, moving averages (0: not timed yet)
+    int64_t passes = 0;
+  };
+  bool solo_ = false;  // this pass runs on the caller alone
+  Timing timing_[kTimedSizes];
 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -685,6 +712,11 @@ class Model {
   };
 
   void forward(const Pass& p) {
+    pool_.pass(p.batch * p.tokens, [&] { run(p); });
+  }
+
+ private:
+  void run(const Pass& p) {
     const int rows = p.batch * p.tokens;
     reserve(rows, p.cache_len + p.tokens);
     embed(p, rows);
@@ -708,7 +740,6 @@ class Model {
     std::memcpy(p.h0, h0, sizeof(float) * size_t(rows) * h);
   }
 
- private:
   void reserve(int rows, int keys) {
     const int h = c_.hidden, qkv_n = (c_.heads + 2 * c_.kv_heads) * c_.head_dim;
     const int kmax = std::max({h * std::max(1, c_.num_features), c_.intermediate, c_.heads * c_.head_dim});
