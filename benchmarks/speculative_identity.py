@@ -6,12 +6,15 @@
 Decodes MT-bench's first turns (chat template, greedy, at most ``--max-new-tokens``, stopping at EOS) with the
 engine's defaults (``clover generate``'s: the heads' method, the engine's tree defaults) and with vanilla, at
 each batch size, and counts the answers that are token for token the same; for the others, where they part.
-Lossless decoding means all of them.
+Lossless decoding means all of them. The defaults' adaptive budget may choose few trees on a machine where they
+cost much; ``--fixed-budget N`` also decodes with every step a tree of N drafts (no adaptive budget), so that
+the identity is shown for trees too. Each speculative run reports its draft tokens proposed and accepted.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,13 +26,15 @@ from clover.prompts import encode_prompt, mtbench_first_turns
 from clover.target import load_tokenizer
 
 
-def decode_all(engine, method: str, prompts: list[list[int]], batch: int, max_new: int, what: str) -> list[list[int]]:
-    """Greedy answers, ``batch`` requests in flight at a time (they join as others finish)."""
-    decoder = SpeculativeDecoder(engine, method, engine.meta.tree_defaults, max_batch_size=batch)
+def decode_all(engine, method: str, tree, prompts: list[list[int]], batch: int, max_new: int, what: str):
+    """Greedy answers, ``batch`` requests in flight at a time (they join as others finish), and the draft tokens
+    (proposed, accepted) over all of them."""
+    decoder = SpeculativeDecoder(engine, method, tree, max_batch_size=batch)
     requests = [GenerationRequest(p, max_new_tokens=max_new) for p in prompts]
     with tqdm(total=len(requests), desc=what, unit="answer") as bar:
         results = decoder.generate(requests, on_event=lambda event: bar.update(int(event.finished)))
-    return [r.token_ids for r in results]
+    drafts = (sum(r.stats.num_draft_tokens for r in results), sum(sum(r.stats.accepted_per_step) for r in results))
+    return [r.token_ids for r in results], drafts
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -43,6 +48,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=None, help="MT-bench first turns to use (default: all 80)")
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
+    p.add_argument("--fixed-budget", type=int, default=None,
+                   help="also decode with a tree of this many drafts every step (default: the defaults only)")
     p.add_argument("--output", type=Path, required=True, help="JSON results")
     args = p.parse_args()
     engine = load_engine(args.engine, threads=args.threads)
@@ -52,14 +59,23 @@ def main() -> None:
     method = engine.spec.default_method
     report = {"engine": str(args.engine), "method": method, "max_new_tokens": args.max_new_tokens,
               "questions": len(prompts), "target_quantization": engine.meta.target_quantization, "batches": {}}
+    trees = {"defaults": engine.meta.tree_defaults}
+    if args.fixed_budget:
+        trees[f"budget {args.fixed_budget}"] = dataclasses.replace(engine.meta.tree_defaults, budget=args.fixed_budget,
+                                                                   adaptive=False)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        vanilla = decode_all(engine, "vanilla", prompts, batch, args.max_new_tokens, f"vanilla, batch {batch}")
-        ours = decode_all(engine, method, prompts, batch, args.max_new_tokens, f"{method}, batch {batch}")
-        parted = {questions[i]["id"]: first_difference(a, b) for i, (a, b) in enumerate(zip(ours, vanilla)) if a != b}
-        report["batches"][str(batch)] = {"identical": len(prompts) - len(parted), "of": len(prompts),
-                                         "first_difference": parted,
-                                         "tokens": sum(len(a) for a in vanilla)}
-        print(f"batch {batch}: {len(prompts) - len(parted)} of {len(prompts)} answers identical to vanilla")
+        vanilla, _ = decode_all(engine, "vanilla", None, prompts, batch, args.max_new_tokens, f"vanilla, batch {batch}")
+        for name, tree in trees.items():
+            ours, (proposed, accepted) = decode_all(engine, method, tree, prompts, batch, args.max_new_tokens,
+                                                    f"{method} {name}, batch {batch}")
+            parted = {questions[i]["id"]: first_difference(a, b) for i, (a, b) in enumerate(zip(ours, vanilla))
+                      if a != b}
+            key = str(batch) if name == "defaults" else f"{batch}, {name}"
+            report["batches"][key] = {"identical": len(prompts) - len(parted), "of": len(prompts),
+                                      "first_difference": parted, "tokens": sum(len(a) for a in vanilla),
+                                      "draft_tokens_proposed": proposed, "draft_tokens_accepted": accepted}
+            print(f"batch {batch}, {name}: {len(prompts) - len(parted)} of {len(prompts)} answers identical to "
+                  f"vanilla ({proposed} draft tokens proposed, {accepted} accepted)")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1) + "\n")
 
