@@ -15,10 +15,9 @@ import argparse
 import json
 from pathlib import Path
 
-from tqdm import tqdm
-
 from clover.backends import load_engine
 from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.progress import progress_bar
 from clover.prompts import encode_prompt, mtbench_first_turns
 from clover.target import load_tokenizer
 
@@ -27,7 +26,7 @@ def decode_all(engine, method: str, prompts: list[list[int]], batch: int, max_ne
     """Greedy answers, ``batch`` requests in flight at a time (they join as others finish)."""
     decoder = SpeculativeDecoder(engine, method, engine.meta.tree_defaults, max_batch_size=batch)
     requests = [GenerationRequest(p, max_new_tokens=max_new) for p in prompts]
-    with tqdm(total=len(requests), desc=what, unit="answer") as bar:
+    with progress_bar(total=len(requests), desc=what, unit="answer") as bar:
         results = decoder.generate(requests, on_event=lambda event: bar.update(int(event.finished)))
     return [r.token_ids for r in results]
 

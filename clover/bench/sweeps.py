@@ -80,6 +80,7 @@ from clover.bench.report import METRICS, VANILLA_LINE, aims, markdown, plot, ste
 from clover.bench.samples import PROGRESS_FILE, SAMPLES_FILE, SampleStore, run_key, sample_key
 from clover.config import ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.progress import progress_bar
 from clover.stats import tokens_per_step
 
 PROMPTS = [
@@ -317,7 +318,7 @@ def measure_sweeps(configs: dict[str, list[Config]], repeats: int, max_new: int,
         log(f"resumed {len(store.samples)} samples from {store.path}"
             + (f" ({store.dropped} cut or repeated lines ignored)" if store.dropped else "")
             + f"; {total} left to measure")
-    with tqdm(total=total, unit="sample", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+    with progress_bar(total=total, unit="sample", enabled=progress, dynamic_ncols=True) as bar:
         for sweep, work in todo.items():
             log(f"sweep {sweep}: {len(configs[sweep])} configurations x {repeats} repeats, "
                 f"{len(work)} to measure" + (" (+ warm-up)" if work else ""))
