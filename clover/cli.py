@@ -291,6 +291,8 @@ def _generate(args) -> int:
     if args.prompt is None:
         _write_results(results, args.output)
     summary = summarize(results, seconds, args.method)
+    if args.tensor_parallel > 1:  # every rank stepped each pass in lock step: a missing one would have failed it
+        summary["tensor_parallel_ranks"] = args.shard.world_size
     for line in summary_lines(summary, compared=compare):
         print(line, file=sys.stderr)
     if compare:
@@ -360,10 +362,12 @@ def summary_lines(summary: dict, compared: bool = False) -> list[str]:
     compare with vanilla itself) how to."""
     line = (f"[clover] {summary['method']}: {summary['new_tokens']} tokens in {summary['decode_seconds']:.2f} s "
             f"({summary['tokens_per_second']:.1f} tok/s, {summary['tokens_per_step']:.2f} tokens/step")
+    ranks = summary.get("tensor_parallel_ranks")
+    ranks_line = [f"[clover] tensor parallel: {ranks} ranks ran the target, each pass in lock step"] if ranks else []
     if not method_traits(summary["method"]).drafts:
-        return [line + ")"]
+        return [line + ")", *ranks_line]
     lines = [line + f", acceptance rate {summary['acceptance_rate']:.2f}: {summary['accepted_draft_tokens']} of "
-                    f"{summary['draft_tokens']} draft tokens accepted)"]
+                    f"{summary['draft_tokens']} draft tokens accepted)", *ranks_line]
     if not compared:
         lines.append("[clover] to compare: add --compare (decodes again with --method vanilla: greedy, the same "
                      "text) for the speed-up, or run python -m clover.bench for real numbers")
