@@ -90,8 +90,10 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--backend", choices=["auto", "onnxruntime", "torch"], default="auto",
                    help="auto: the --engine if given; on a GPU the torch path (see --device); on the demo target "
                         "with its shipped Clover heads, the demo onnxruntime engine (built once into engines/demo of $CLOVER_HOME: the checkout, or "
-                        "~/.cache/clover for an installed package; minutes); else torch. torch: the reference path "
-                        "on --target/--drafter")
+                        "~/.cache/clover for an installed package; minutes); on the demo target with other heads "
+                        "(--drafter DIR or demo-medusa), an engine for them, built once into engines/ of the cache "
+                        "(--cache-dir), named by the heads' hash; else torch, said in one line. torch: the reference "
+                        "path on --target/--drafter")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where the torch path runs: auto (a CUDA GPU when torch sees one, else the CPU), cpu (the "
                         "fp32 reference engine) or cuda (the device engine in bf16, its steps replayed from CUDA "
@@ -134,15 +136,51 @@ def _generate_engine_dir(args) -> Path | None:
         if args.backend == "torch":
             raise ConfigError("--engine runs on its own backend; drop --backend torch (or --engine)")
         return args.engine
-    demo_default = (args.target == "demo" and args.drafter in (None, "demo-clover")  # the demo engine's Clover heads
-                    and (args.method is None or method_traits(args.method).runs_on_heads_of(DEFAULT_METHOD)))
-    if args.backend == "torch" or (args.backend == "auto" and (not demo_default or _on_gpu(args))):
+    if args.backend == "torch":
         return None
-    if not demo_default:
-        raise ConfigError("--backend onnxruntime needs --engine DIR, except on the demo target with its Clover heads")
-    from clover.export.builder import ensure_demo_engine
+    heads = _demo_heads(args)
+    if args.backend == "auto" and (heads is None or _on_gpu(args)):
+        if heads is None and not _on_gpu(args):
+            _say_torch_path(args)
+        return None
+    if heads is None:
+        raise ConfigError("--backend onnxruntime needs --engine DIR, except on the demo target with its heads or "
+                          "a directory of trained heads")
+    from clover.export.builder import ensure_demo_engine, ensure_heads_engine
 
-    return ensure_demo_engine(progress=lambda message: print(f"[clover] {message}", file=sys.stderr, flush=True))
+    def progress(message: str) -> None:
+        print(f"[clover] {message}", file=sys.stderr, flush=True)
+
+    return ensure_demo_engine(progress=progress) if heads == "shipped" else ensure_heads_engine(heads, args.cache_dir,
+                                                                                              progress=progress)
+
+
+def _demo_heads(args) -> str | None:
+    """What an onnxruntime engine can be built for here: ``shipped`` (the demo engine, the shipped Clover heads),
+    a trained heads directory on the demo target (built once, cached), or None (the torch path)."""
+    if args.target != "demo":
+        return None
+    if args.drafter in (None, "demo-clover"):
+        fits = args.method is None or method_traits(args.method).runs_on_heads_of(DEFAULT_METHOD)
+        return "shipped" if fits else None
+    if args.drafter in ("untrained", "none"):
+        return None
+    from clover.demo import resolve_drafter
+
+    heads_dir = resolve_drafter(args.drafter, "demo")  # demo-medusa: the shipped Medusa heads
+    config = Path(heads_dir) / "config.json"
+    if not config.is_file():
+        return None  # the torch path says what is missing
+    heads_method = json.loads(config.read_text()).get("method")
+    fits = args.method is None or method_traits(args.method).runs_on_heads_of(heads_method)
+    return heads_dir if fits else None
+
+
+def _say_torch_path(args) -> None:
+    """One line: ``clover generate`` runs the slow fp32 reference, and how to get the fast engine."""
+    drafter = f" --drafter {args.drafter}" if args.drafter not in (None, "untrained") else ""
+    print(f"[clover] decoding on the torch fp32 reference (slow on a CPU); for the fast engine: clover build "
+          f"--target {args.target}{drafter} --output ENGINE, then --engine ENGINE", file=sys.stderr, flush=True)
 
 
 def _load_generate_engine(args):
