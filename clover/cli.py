@@ -151,8 +151,9 @@ def _generate_engine_dir(args) -> Path | None:
     def progress(message: str) -> None:
         print(f"[clover] {message}", file=sys.stderr, flush=True)
 
-    return ensure_demo_engine(progress=progress) if heads == "shipped" else ensure_heads_engine(heads, args.cache_dir,
-                                                                                              progress=progress)
+    if heads == "shipped":
+        return ensure_demo_engine(progress=progress)
+    return ensure_heads_engine(heads, args.cache_dir, progress=progress)
 
 
 def _demo_heads(args) -> str | None:
