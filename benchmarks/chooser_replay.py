@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from clover.adaptive import DEFAULT_BUDGETS, AcceptanceModel, AdaptiveBudget, CostModel
 from clover.attention import causal_packed_mask
@@ -42,6 +41,7 @@ from clover.config import ConfigError, TreeConfig
 from clover.decode import GenerationRequest, SpeculativeDecoder
 from clover.host_ops import as_numpy
 from clover.kv_cache import KVCache
+from clover.progress import progress_bar
 from clover.prompts import encode_prompt, mtbench_first_turns
 from clover.tree import draft_tree_batch
 
@@ -84,7 +84,7 @@ def accepted_lengths(engine, h0: torch.Tensor, sequence: list[int], first: int, 
 def build_tables(engine, prompts: list[list[int]], new_tokens: int, budgets: list[int]) -> list[dict]:
     tables = []
     continuations = greedy_continuations(engine, prompts, new_tokens)
-    for prompt, tokens in tqdm(list(zip(prompts, continuations)), desc="acceptance tables", unit="prompt"):
+    for prompt, tokens in progress_bar(list(zip(prompts, continuations)), desc="acceptance tables", unit="prompt"):
         sequence = prompt + tokens
         with torch.no_grad():
             h0 = root_states(engine, sequence)

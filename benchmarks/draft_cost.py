@@ -172,12 +172,12 @@ def decode_step_job(target, draft_calls: list):
 def timing_rounds(jobs: dict, repeats: int, calls: int, seed: int = 0) -> dict[str, list[float]]:
     """Each round runs every job ``calls`` times (after one warm-up), jobs in a fresh random order each round so
     load hits all alike; one sample per round and timed call: the median of its ``calls`` times."""
-    from tqdm import tqdm
+    from clover.progress import progress_bar
 
     samples: dict[str, list[float]] = {}
     order = list(jobs)
     rng = random.Random(seed)
-    with tqdm(total=repeats * len(jobs), desc="timing", unit="job", file=sys.stderr) as bar:
+    with progress_bar(total=repeats * len(jobs), desc="timing", unit="job") as bar:
         for _ in range(repeats):
             rng.shuffle(order)
             for name in order:

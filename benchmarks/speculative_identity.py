@@ -18,10 +18,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tqdm import tqdm
-
 from clover.backends import load_engine
 from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.progress import progress_bar
 from clover.prompts import encode_prompt, mtbench_first_turns
 from clover.target import load_tokenizer
 
@@ -31,7 +30,7 @@ def decode_all(engine, method: str, tree, prompts: list[list[int]], batch: int, 
     (proposed, accepted) over all of them."""
     decoder = SpeculativeDecoder(engine, method, tree, max_batch_size=batch)
     requests = [GenerationRequest(p, max_new_tokens=max_new) for p in prompts]
-    with tqdm(total=len(requests), desc=what, unit="answer") as bar:
+    with progress_bar(total=len(requests), desc=what, unit="answer") as bar:
         results = decoder.generate(requests, on_event=lambda event: bar.update(int(event.finished)))
     drafts = (sum(r.stats.num_draft_tokens for r in results), sum(sum(r.stats.accepted_per_step) for r in results))
     return [r.token_ids for r in results], drafts

@@ -29,11 +29,11 @@ import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from clover.attention import causal_packed_mask
 from clover.backends import load_engine
 from clover.decode import GenerationRequest, SpeculativeDecoder
+from clover.progress import progress_bar
 from clover.prompts import encode_prompt, mtbench_first_turns
 from clover.target import load_tokenizer
 
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         others["onnxruntime-genai"] = GenaiGraph(reference.meta.source["target"], args.genai, args.threads)
     rows, done = _resume(Path(args.output).with_suffix(".jsonl"), list(others))
     questions = [q for q in mtbench_first_turns(limit=args.questions) if q["id"] not in done]
-    for question in tqdm(questions, desc="questions", file=sys.stderr):
+    for question in progress_bar(questions, desc="questions"):
         prompt = encode_prompt(tokenizer, question["prompt"])
         want = greedy(reference, prompt, args.max_new_tokens, eos)
         reference_logits = full_pass_logits(reference, prompt + want)

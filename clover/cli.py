@@ -90,8 +90,10 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--backend", choices=["auto", "onnxruntime", "torch"], default="auto",
                    help="auto: the --engine if given; on a GPU the torch path (see --device); on the demo target "
                         "with its shipped Clover heads, the demo onnxruntime engine (built once into engines/demo of $CLOVER_HOME: the checkout, or "
-                        "~/.cache/clover for an installed package; minutes); else torch. torch: the reference path "
-                        "on --target/--drafter")
+                        "~/.cache/clover for an installed package; minutes); on the demo target with other heads "
+                        "(--drafter DIR or demo-medusa), an engine for them, built once into engines/ of the cache "
+                        "(--cache-dir), named by the heads' hash; else torch, said in one line. torch: the reference "
+                        "path on --target/--drafter")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where the torch path runs: auto (a CUDA GPU when torch sees one, else the CPU), cpu (the "
                         "fp32 reference engine) or cuda (the device engine in bf16, its steps replayed from CUDA "
@@ -134,15 +136,52 @@ def _generate_engine_dir(args) -> Path | None:
         if args.backend == "torch":
             raise ConfigError("--engine runs on its own backend; drop --backend torch (or --engine)")
         return args.engine
-    demo_default = (args.target == "demo" and args.drafter in (None, "demo-clover")  # the demo engine's Clover heads
-                    and (args.method is None or method_traits(args.method).runs_on_heads_of(DEFAULT_METHOD)))
-    if args.backend == "torch" or (args.backend == "auto" and (not demo_default or _on_gpu(args))):
+    if args.backend == "torch":
         return None
-    if not demo_default:
-        raise ConfigError("--backend onnxruntime needs --engine DIR, except on the demo target with its Clover heads")
-    from clover.export.builder import ensure_demo_engine
+    heads = _demo_heads(args)
+    if args.backend == "auto" and (heads is None or _on_gpu(args)):
+        if heads is None and not _on_gpu(args):
+            _say_torch_path(args)
+        return None
+    if heads is None:
+        raise ConfigError("--backend onnxruntime needs --engine DIR, except on the demo target with its heads or "
+                          "a directory of trained heads")
+    from clover.export.builder import ensure_demo_engine, ensure_heads_engine
 
-    return ensure_demo_engine(progress=lambda message: print(f"[clover] {message}", file=sys.stderr, flush=True))
+    def progress(message: str) -> None:
+        print(f"[clover] {message}", file=sys.stderr, flush=True)
+
+    if heads == "shipped":
+        return ensure_demo_engine(progress=progress)
+    return ensure_heads_engine(heads, args.cache_dir, progress=progress)
+
+
+def _demo_heads(args) -> str | None:
+    """What an onnxruntime engine can be built for here: ``shipped`` (the demo engine, the shipped Clover heads),
+    a trained heads directory on the demo target (built once, cached), or None (the torch path)."""
+    if args.target != "demo":
+        return None
+    if args.drafter in (None, "demo-clover"):
+        fits = args.method is None or method_traits(args.method).runs_on_heads_of(DEFAULT_METHOD)
+        return "shipped" if fits else None
+    if args.drafter in ("untrained", "none"):
+        return None
+    from clover.demo import resolve_drafter
+
+    heads_dir = resolve_drafter(args.drafter, "demo")  # demo-medusa: the shipped Medusa heads
+    config = Path(heads_dir) / "config.json"
+    if not config.is_file():
+        return None  # the torch path says what is missing
+    heads_method = json.loads(config.read_text()).get("method")
+    fits = args.method is None or method_traits(args.method).runs_on_heads_of(heads_method)
+    return heads_dir if fits else None
+
+
+def _say_torch_path(args) -> None:
+    """One line: ``clover generate`` runs the slow fp32 reference, and how to get the fast engine."""
+    drafter = f" --drafter {args.drafter}" if args.drafter not in (None, "untrained") else ""
+    print(f"[clover] decoding on the torch fp32 reference (slow on a CPU); for the fast engine: clover build "
+          f"--target {args.target}{drafter} --output ENGINE, then --engine ENGINE", file=sys.stderr, flush=True)
 
 
 def _load_generate_engine(args):
@@ -291,6 +330,8 @@ def _generate(args) -> int:
     if args.prompt is None:
         _write_results(results, args.output)
     summary = summarize(results, seconds, args.method)
+    if args.tensor_parallel > 1:  # every rank stepped each pass in lock step: a missing one would have failed it
+        summary["tensor_parallel_ranks"] = args.shard.world_size
     for line in summary_lines(summary, compared=compare):
         print(line, file=sys.stderr)
     if compare:
@@ -360,10 +401,12 @@ def summary_lines(summary: dict, compared: bool = False) -> list[str]:
     compare with vanilla itself) how to."""
     line = (f"[clover] {summary['method']}: {summary['new_tokens']} tokens in {summary['decode_seconds']:.2f} s "
             f"({summary['tokens_per_second']:.1f} tok/s, {summary['tokens_per_step']:.2f} tokens/step")
+    ranks = summary.get("tensor_parallel_ranks")
+    ranks_line = [f"[clover] tensor parallel: {ranks} ranks ran the target, each pass in lock step"] if ranks else []
     if not method_traits(summary["method"]).drafts:
-        return [line + ")"]
+        return [line + ")", *ranks_line]
     lines = [line + f", acceptance rate {summary['acceptance_rate']:.2f}: {summary['accepted_draft_tokens']} of "
-                    f"{summary['draft_tokens']} draft tokens accepted)"]
+                    f"{summary['draft_tokens']} draft tokens accepted)", *ranks_line]
     if not compared:
         lines.append("[clover] to compare: add --compare (decodes again with --method vanilla: greedy, the same "
                      "text) for the speed-up, or run python -m clover.bench for real numbers")

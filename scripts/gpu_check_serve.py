@@ -20,17 +20,33 @@ NEW_TOKENS = 24
 PROMPTS = ["hello there", "write a poem about the sea", "1 2 3 4", "What is 2+2?", "The quick brown fox",
            "tell me a story about a dragon", "speculative decoding", "in-flight batching"]
 STARTUP_S = 600
+# Triton's Python backend declares a stub dead when its health thread (every 300 ms) has not reported within about
+# 2 s while the model loads, a window no option changes; on a starved CPU that happened once (issue 62), so a server
+# that failed that way is started once more, and the report says so.
+UNHEALTHY_STUB = "is not healthy"
 
 
-def _serve_tiny_checkpoint(root, install):
-    """A started TritonServer on a tiny random checkpoint (backend torch, fp32), and the checkpoint's path."""
+def _serve_tiny_checkpoint(root, install) -> tuple:
+    """A started TritonServer on a tiny random checkpoint (backend torch, fp32), the checkpoint's path, and the
+    errors of failed starts (a stub that missed its health window: started again once)."""
     from clover.serving.repository import write_repository
-    from clover.serving.server import TritonServer
+    from clover.serving.server import ServerError
     from tests.conftest import write_tiny_checkpoint
 
     checkpoint = write_tiny_checkpoint(root / "checkpoint")
     repo = write_repository(root / "repo", {"clover": {"engine_dir": str(checkpoint), "backend": "torch",
                                                        "dtype": "fp32", "max_batch": str(CONCURRENT)}})
+    try:
+        return _started_server(repo, root, install), checkpoint, []
+    except ServerError as exc:
+        if UNHEALTHY_STUB not in str(exc):
+            raise
+        return _started_server(repo, root, install), checkpoint, [next(line for line in str(exc).splitlines() if UNHEALTHY_STUB in line)[:300]]
+
+
+def _started_server(repo, root, install):
+    from clover.serving.server import TritonServer
+
     server = TritonServer(repo, 0, 0, 0, host="127.0.0.1", log_file=root / "tritonserver.log", install=install)
     server.start()
     try:
@@ -38,7 +54,7 @@ def _serve_tiny_checkpoint(root, install):
     except Exception:
         server.stop(timeout_s=60)
         raise
-    return server, checkpoint
+    return server
 
 
 def _concurrent(url: str) -> tuple[dict, list[str]]:
@@ -94,7 +110,7 @@ def gpu_serve(ctx) -> dict:
                    "(docs/gpu-engine.md#serving)") from None
     root = ctx.out / "serve"
     started = time.monotonic()
-    server, checkpoint = _serve_tiny_checkpoint(root, install)
+    server, checkpoint, failed_starts = _serve_tiny_checkpoint(root, install)
     load_s = time.monotonic() - started
     try:
         concurrent, errors = _concurrent(server.http_url)
@@ -105,10 +121,12 @@ def gpu_serve(ctx) -> dict:
     tables = [report.table(f"{CONCURRENT} concurrent requests (odd ones streamed) through tritonserver, torch backend "
                            f"in fp32 ({where}); {NEW_TOKENS} new tokens",
                            ["prompt", "concurrent == solo", "solo == generate()", "tokens"], rows)]
-    data = {"rows": rows, "errors": errors, "server_ready_s": round(load_s, 1), "tritonserver": str(install.binary)}
+    data = {"rows": rows, "errors": errors, "server_ready_s": round(load_s, 1), "tritonserver": str(install.binary),
+            "failed_starts": failed_starts}
     failed = errors + [f"{r[0]!r}: {'concurrent differs from solo' if not r[1] else 'differs from generate()'}"
                        for r in rows if not (r[1] and r[2])]
     if failed:
         return report.outcome("fail", "; ".join(failed)[:2000], data=data, tables=tables)
-    return report.outcome("pass", f"{CONCURRENT} concurrent answers equal their solo answers and generate()",
-                          data=data, tables=tables)
+    restarted = f" (the server was started {1 + len(failed_starts)} times: {failed_starts})" if failed_starts else ""
+    return report.outcome("pass", f"{CONCURRENT} concurrent answers equal their solo answers and generate()"
+                          + restarted, data=data, tables=tables)

@@ -4,6 +4,7 @@ and the Triton sweep through the real server."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -237,6 +238,7 @@ def test_a_killed_run_resumes_where_it_stopped(engines, tmp_path, monkeypatch, c
 
     monkeypatch.setattr(clover.adaptive, "calibrate", no_calibration)
     second = RecordedDecodes(monkeypatch)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal, where the bar is drawn (clover.progress)
     assert bench_main(command) == 0  # not --silent: same run key
     assert len(second.measured) == len(expected) - CUT and not set(first.measured) & set(second.measured)
     assert report_keys(out) == expected  # every sample exactly once, old and new

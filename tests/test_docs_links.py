@@ -121,3 +121,19 @@ def test_no_broken_links_in_readme_and_docs():
     assert len(pages) > 20 and sum(len(links(p.read_text())) for p in pages) > 100, "the pages were not read"
     found = [problem for page in pages for problem in broken_links(page)]
     assert not found, f"{len(found)} broken links:\n" + "\n".join(found)
+
+
+README_MAX_LINES = 200  # the README is the front page: what does not fit goes to docs/ (issue 62)
+
+
+def test_readme_fits_its_line_limit():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, more than {README_MAX_LINES}"
+
+
+def test_readme_shows_the_list_prompt_the_demo_decodes():
+    """README's measured line is for its list prompt; clover serve --demo must decode that same prompt."""
+    from clover.serving.launch import DEMO_PROMPTS
+
+    shown = re.findall(r'^clover generate --prompt "(.*)"$', (ROOT / "README.md").read_text(), re.MULTILINE)
+    assert shown and shown[0] == DEMO_PROMPTS[0], (shown, DEMO_PROMPTS[0])

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -423,7 +424,8 @@ def test_dead_stubs_reports_a_killed_stub_and_commands_restrict_admin_apis(tmp_p
         _wait_until(lambda: server.dead_stubs() == [stub], what="dead_stubs")
         command = server.command(None)
         assert "--http-address=127.0.0.1" in command  # closed by default
-        restricted = [a for a in command if "restricted" in a]
+        assert not any("k3y" in a for a in command)  # the key goes through a file (clover.serving.hidden_args)
+        restricted = server.admin_args()
         assert len(restricted) == 2 and all(a.endswith(":clover-admin-key=k3y") for a in restricted)
         for api in ("shared-memory", "model-repository", "model-config", "statistics", "trace", "logging"):
             assert all(api in a for a in restricted)
@@ -470,7 +472,9 @@ def server(install, tiny_engine_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("triton-faults")
     repo = write_repository(root / "repo", {"clover": {"engine_dir": str(tiny_engine_dir), "threads": "1"}})
-    server = TritonServer(repo, 0, 0, 0, log_file=root / "tritonserver.log", install=install, admin_key="s3cret")
+    # a key that occurs nowhere else, so that finding it on a command line means it leaked there
+    server = TritonServer(repo, 0, 0, 0, log_file=root / "tritonserver.log", install=install,
+                          admin_key=secrets.token_urlsafe(24))
     try:
         server.start().wait_ready(STARTUP_S)
         yield server
@@ -487,6 +491,24 @@ def _http(server, method: str, path: str, body=None, headers=None) -> tuple[int,
             return response.status, response.read().decode(errors="replace")
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")
+
+
+def test_the_admin_key_is_on_no_command_line_and_still_needed(server):
+    """ps shows every process's command line to every local user: the key must be on none (issue 62), and the
+    admin APIs must still need it."""
+    key = server.admin_key.encode()
+    on_command_lines = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and key in (entry / "cmdline").read_bytes():
+                on_command_lines.append(entry.name)
+        except OSError:  # gone meanwhile
+            continue
+    assert server.is_ready() and not on_command_lines, f"the admin key is on the command line of {on_command_lines}"
+    assert not server._hidden_file.exists()  # tritonserver read it (and removed it)
+    assert _http(server, "GET", "/v2/models/clover/config")[0] in (401, 403)
+    assert _http(server, "GET", "/v2/models/clover/config", headers={"clover-admin-key": "wrong"})[0] in (401, 403)
+    assert _http(server, "GET", "/v2/models/clover/config", headers=server.admin_headers)[0] == 200
 
 
 def test_admin_apis_are_refused_without_the_key_and_inference_stays_open(server):

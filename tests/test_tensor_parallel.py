@@ -121,3 +121,20 @@ def test_demo_generate_tp2_equals_transformers(tmp_path):
         tokens = json.loads(line)["token_ids"]
         ids = encode_prompt(tokenizer, prompt, True)
         assert_argmax_up_to_near_ties(hf_next_logits(checkpoint, ids, tokens), tokens, NEAR_TIE, prompt)
+
+
+def test_generate_says_how_many_ranks_ran(tmp_path):
+    """``clover generate --tensor-parallel 2`` said nothing of its ranks (issue 62): one line says 2 ran, and the
+    summary file records it."""
+    from tests.conftest import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
+    prompts, summary = tmp_path / "prompts.jsonl", tmp_path / "summary.json"
+    prompts.write_text(json.dumps({"id": 0, "prompt": "hello there"}) + "\n")
+    done = subprocess.run([sys.executable, "-m", "clover.cli", "generate", "--target", str(checkpoint),
+                           "--tensor-parallel", "2", "--prompts-file", str(prompts), "--output", str(tmp_path / "o"),
+                           "--summary", str(summary), "--max-new-tokens", "6", "--drafter", "untrained",
+                           "--no-adaptive"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[clover] tensor parallel: 2 ranks ran the target, each pass in lock step" in done.stderr.splitlines()
+    assert json.loads(summary.read_text())["tensor_parallel_ranks"] == 2

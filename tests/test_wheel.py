@@ -35,8 +35,8 @@ WHEEL_SOURCES = ("pyproject.toml", "setup.py", "README.md", "clover", "trt_plugi
 # kernel sources the GPU path compiles, the shipped heads
 PACKAGE_DATA = ("clover/serving/triton_template/model.py", "clover/export/__main__.py",
                 "clover/kernels/tree_attention_kernel.cu", "clover/kernels/tree_attention_kernel.h",
-                "clover/kernels/tree_attention_ext.cpp", "clover/kernels/cpu_target.cpp", "trt_plugins/CMakeLists.txt",
-                "trt_plugins/tree_attention_plugin.cpp",
+                "clover/kernels/tree_attention_ext.cpp", "clover/kernels/cpu_target.cpp", "clover/serving/hidden_args.c",
+                "trt_plugins/CMakeLists.txt", "trt_plugins/tree_attention_plugin.cpp",
                 "clover/assets/smollm2-135m-instruct/clover/config.json")
 COMMAND_S = 600
 NEW_TOKENS = 8

@@ -93,7 +93,7 @@ def distill(prompts: list[dict], output: Path, engine, tokenizer, *, max_new_tok
             batch_size: int = 16, max_prompt_tokens: int = 640, seed: int = 0, limit: int | None = None,
             length_window: int = 512, progress: bool = True) -> dict:
     """Answer every prompt not yet in ``output``; returns counts. See the module docstring."""
-    from tqdm import tqdm
+    from clover.progress import progress_bar
 
     from clover.config import SamplingConfig
     from clover.decode import GenerationRequest, SpeculativeDecoder
@@ -119,8 +119,8 @@ def distill(prompts: list[dict], output: Path, engine, tokenizer, *, max_new_tok
         by_seq[decoder.submit(request)] = (record, ids, plan)
     generated: dict[int, list[int]] = {seq: [] for seq in by_seq}
     start = time.monotonic()
-    bar = tqdm(total=counts["total"], initial=counts["already_done"] + len(skipped), unit="answer",
-               disable=not progress, dynamic_ncols=True, desc="distill")
+    bar = progress_bar(total=counts["total"], initial=counts["already_done"] + len(skipped), unit="answer",
+               enabled=progress, dynamic_ncols=True, desc="distill")
     with open(output, "a", encoding="utf-8") as f:
         while decoder.has_work:
             for event in decoder.step():

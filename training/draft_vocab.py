@@ -71,10 +71,10 @@ def _record_ids(record: dict, count_prompts: bool, tokenize: _Tokenizer) -> Iter
 
 
 def _jsonl_ids(path: Path, count_prompts: bool, tokenize: _Tokenizer) -> Iterator[list[int]]:
-    from tqdm import tqdm
+    from clover.progress import progress_bar
 
-    with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=path.name,
-                                     file=sys.stderr) as bar:
+    with open(path, "rb") as f, progress_bar(total=path.stat().st_size, unit="B", unit_scale=True,
+                                             desc=path.name) as bar:
         for number, line in enumerate(f, 1):
             bar.update(len(line))
             if not line.strip():
@@ -87,13 +87,13 @@ def _jsonl_ids(path: Path, count_prompts: bool, tokenize: _Tokenizer) -> Iterato
 
 
 def _cache_ids(directory: Path, count_prompts: bool) -> Iterator[np.ndarray]:
-    from tqdm import tqdm
+    from clover.progress import progress_bar
 
     from training.hidden_cache import HiddenCache
 
     cache = HiddenCache(directory)
     tokens, mask = cache.arrays["tokens"], cache.arrays["assistant_mask"]
-    for item in tqdm(cache.conversations, desc=directory.name, unit="conv", file=sys.stderr):
+    for item in progress_bar(cache.conversations, desc=directory.name, unit="conv"):
         rows = slice(item["offset"], item["offset"] + item["length"])
         ids = np.asarray(tokens[rows])
         yield ids if count_prompts else ids[np.asarray(mask[rows]).astype(bool)]

@@ -110,7 +110,7 @@ def decode_rows(engine, tokenizer, records: list[dict], *, tree_budget: int = 4,
     ``keep_tokens``: also the generated ``token_ids`` (to compare two engines' outputs).
     Prompts that do not fit the engine's context are left out.
     """
-    from tqdm import tqdm
+    from clover.progress import progress_bar
 
     from clover.decode import GenerationRequest, SpeculativeDecoder
 
@@ -124,7 +124,7 @@ def decode_rows(engine, tokenizer, records: list[dict], *, tree_budget: int = 4,
             continue
         requests.append(GenerationRequest(ids, max_new_tokens=max_new_tokens, request_id=str(record["id"])))
         kept.append(record)
-    bar = tqdm(total=len(requests), unit="prompt", disable=not progress, desc=f"decode {variant} b{tree_budget}")
+    bar = progress_bar(total=len(requests), unit="prompt", enabled=progress, desc=f"decode {variant} b{tree_budget}")
     results = decoder.generate(requests, on_event=lambda e: bar.update(1) if e.finished else None)
     bar.close()
     rows = []

@@ -209,7 +209,7 @@ def build_cache(records: list[dict], target, output: str | Path, *, max_len: int
     instead of the torch target. ``stop_after_batches`` stops early (tests use
     it to simulate a kill).
     """
-    from tqdm import tqdm
+    from clover.progress import progress_bar
 
     from clover.target import target_fingerprint
 
@@ -233,8 +233,8 @@ def build_cache(records: list[dict], target, output: str | Path, *, max_len: int
     done = _conversations_done(output) if resume else 0
     by_id = {r["id"]: r for r in records}
     target = target.to(device)
-    bar = tqdm(total=total, initial=plan[done]["offset"] if done < len(plan) else total, unit="tok", unit_scale=True,
-               disable=not progress, dynamic_ncols=True, desc="hidden cache")
+    bar = progress_bar(total=total, initial=plan[done]["offset"] if done < len(plan) else total, unit="tok", unit_scale=True,
+               enabled=progress, dynamic_ncols=True, desc="hidden cache")
     t0 = time.monotonic()
     for n, (lo, hi) in enumerate(_batch_ranges(plan, done, batch_tokens)):
         if stop_after_batches is not None and n >= stop_after_batches:

@@ -188,12 +188,12 @@ def teacher_record(prompt: dict, answer: str, tokenizer, max_prompt_tokens: int)
 def build(path: Path, output: Path, tokenizer, *, eval_fraction: float = 0.02, seed: int = 0,
           max_prompt_tokens: int = 640, max_records: int | None = None, progress: bool = True) -> dict:
     """Write the prompt and teacher-forced files of both splits into ``output``; returns ``stats.json``'s dict."""
-    from tqdm import tqdm
+    from clover.progress import progress_bar
 
     read = ReadStats()
     counts = {"conversations": 0, "human_turns": 0, "answer_chars": 0, "used_answer_chars": 0, "non_ascii_skipped": 0, "empty": 0}
     chosen: dict[str, list[tuple[str, dict, str]]] = {"train": [], "eval": []}
-    for record in tqdm(read_sharegpt(path, read), unit="conv", disable=not progress, desc="read ShareGPT"):
+    for record in progress_bar(read_sharegpt(path, read), unit="conv", enabled=progress, desc="read ShareGPT"):
         messages = conversation_messages(record)
         counts["conversations"] += 1
         roles = record_roles(record)
@@ -229,13 +229,13 @@ def record_roles(record: dict) -> list[tuple[str, int]]:
 def _write_split(output: Path, split: str, items: list[tuple[str, dict, str]], tokenizer, max_prompt_tokens: int,
                  progress: bool) -> dict:
     """Write ``prompts_{split}.jsonl`` and ``teacher_{split}.jsonl`` (atomically); their counts."""
-    from tqdm import tqdm
+    from clover.progress import progress_bar
 
     counts = {"prompts": 0, "teacher_records": 0, "teacher_tokens": 0, "teacher_answer_tokens": 0,
               "prompt_too_long": 0}
     prompts_tmp, teacher_tmp = output / f".prompts_{split}.jsonl.tmp", output / f".teacher_{split}.jsonl.tmp"
     with open(prompts_tmp, "w", encoding="utf-8") as prompts, open(teacher_tmp, "w", encoding="utf-8") as teacher:
-        for _, prompt, answer in tqdm(items, unit="rec", disable=not progress, desc=f"tokenise {split}"):
+        for _, prompt, answer in progress_bar(items, unit="rec", enabled=progress, desc=f"tokenise {split}"):
             prompts.write(json.dumps(prompt, ensure_ascii=False) + "\n")
             counts["prompts"] += 1
             record = teacher_record(prompt, answer, tokenizer, max_prompt_tokens)

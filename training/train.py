@@ -367,7 +367,7 @@ def _run_steps(trainer: Trainer, cache: HiddenCache, plan: list[list[int]], prog
 
     Every rank runs every step on its share of the batch; only rank 0 writes (log, checkpoint, curve).
     """
-    from tqdm import tqdm
+    from clover.progress import progress_bar
 
     cfg, total_steps, main = trainer.cfg, len(plan), trainer.dist.is_main
     # --stop-at pauses the run at a step (equal-data comparisons, a session's end) without changing its schedule:
@@ -378,7 +378,7 @@ def _run_steps(trainer: Trainer, cache: HiddenCache, plan: list[list[int]], prog
     checkpoints = CheckpointClock(cfg.save_every, 60 * cfg.save_minutes)
     digest = plan_digest(plan)
     window: list[dict] = []  # the last 20 steps, for the progress bar
-    bar = tqdm(total=total_steps, initial=progress.step, unit="step", disable=not (cfg.progress and main),
+    bar = progress_bar(total=total_steps, initial=progress.step, unit="step", enabled=cfg.progress and main,
                dynamic_ncols=True, desc=cfg.method)
     t0, memory = time.monotonic(), 0.0  # memory: peak MB since the last log line
     while progress.step < end:

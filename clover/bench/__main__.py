@@ -1,7 +1,10 @@
-"""``python -m clover.bench``: see :mod:`clover.bench.sweeps`."""
+"""``python -m clover.bench``: parsed by :mod:`clover.bench.cli` before the measuring code (and torch) loads."""
 
 import sys
 
-from clover.bench.sweeps import main
+from clover.bench.cli import parse_args
 
-sys.exit(main())
+args = parse_args()
+from clover.bench.sweeps import run_command  # noqa: E402  (after parsing: --help needs no torch)
+
+sys.exit(run_command(args))

@@ -497,6 +497,36 @@ def _native_layout_is_current(path: Path) -> bool:
         return False
 
 
+def heads_engine_dir(heads_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """Where the demo target's engine for the heads in ``heads_dir`` is cached: ``engines/`` of the cache
+    (:func:`clover.demo.cache_root`), named by a hash of the heads' files and the demo build options, so changed
+    heads get an engine of their own."""
+    import hashlib
+
+    from clover.demo import cache_root
+    from clover.kernels.cpu_target import LAYOUT_VERSION
+
+    options = f"{DEMO_TARGET_WEIGHTS} {DEMO_TARGET_COMPUTE} {default_attention('onnxruntime')} layout {LAYOUT_VERSION}"
+    digest = hashlib.sha256(options.encode())
+    for path in sorted(p for p in Path(heads_dir).iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return cache_root(cache_dir) / "engines" / f"demo-heads-{digest.hexdigest()[:16]}"
+
+
+def ensure_heads_engine(heads_dir: str | Path, cache_dir: str | Path | None = None,
+                        progress: Callable[[str], None] = _default_progress) -> Path:
+    """The demo target's engine for the heads in ``heads_dir`` (as the demo engine, with these heads), built once
+    into :func:`heads_engine_dir` where it is missing."""
+    engine_dir = heads_engine_dir(heads_dir, cache_dir)
+    if not (engine_dir / "engine.json").exists():
+        progress(f"no engine for the heads in {heads_dir} yet: building one into {engine_dir} (once for these heads: "
+                 "about a minute on idle cores, several on busy ones; --backend torch decodes without it, slowly)")
+        build_engine(engine_dir, "demo", str(heads_dir), cache_dir=cache_dir, overwrite=True, calibrate=True,
+                     progress=progress, target_weights=DEMO_TARGET_WEIGHTS, target_compute=DEMO_TARGET_COMPUTE,
+                     draft_int8=default_draft_int8("onnxruntime", "fp32"))
+    return engine_dir
+
+
 def ensure_demo_engine(engine_dir: str | Path | None = None,
                        progress: Callable[[str], None] = _default_progress) -> Path:
     """The demo engine directory (default :func:`clover.demo.default_engine_dir`), built first where it is

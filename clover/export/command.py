@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tqdm import tqdm
 
 from clover.config import PROPOSERS, ConfigError
+from clover.progress import progress_bar
 
 
 def parse_args(argv=None, prog: str = "clover build") -> argparse.Namespace:
@@ -99,7 +99,7 @@ def main(argv=None, prog: str = "clover build") -> int:
     def on_layer(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, desc="target layers", unit="layer", file=sys.stderr)
+            bar = progress_bar(total=total, desc="target layers", unit="layer")
         bar.update(done - bar.n)
         if done == total:
             bar.close()

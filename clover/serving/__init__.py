@@ -11,6 +11,7 @@ Everything here runs without ``triton_python_backend_utils``:
 - :mod:`clover.serving.repository`: writes a model repository pointed at an engine directory.
 - :mod:`clover.serving.server`: finds ``tritonserver`` (system or the ``nvidia-pytriton`` wheel), launches it,
   waits for readiness, shuts it down cleanly.
+- :mod:`clover.serving.hidden_args`: passes tritonserver its admin key off its command line.
 
 The tritonclient side lives in :mod:`clover.client`.
 """

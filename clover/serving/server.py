@@ -20,7 +20,8 @@ Triton's ``--exit-timeout-secs``; after tritonserver exits, whatever happened,
 stubs still alive are killed and their ``/dev/shm`` regions removed.
 :meth:`TritonServer.dead_stubs` tells a supervisor that a stub died. Triton's
 admin APIs (shared memory, model repository, config, statistics, trace,
-logging) are restricted to clients that send the ``clover-admin-key`` header.
+logging) are restricted to clients that send the ``clover-admin-key`` header; the key never goes on
+tritonserver's command line, which every local user can read (:mod:`clover.serving.hidden_args`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from clover.demo import package_parent
+from clover.demo import cache_root, package_parent
+from clover.serving import hidden_args
 from clover.serving.protocol import DRAIN_FILE_ENV
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
@@ -55,6 +57,9 @@ ADMIN_KEY_ENV = "CLOVER_ADMIN_KEY"
 # seconds between the model's drain deadline and Triton's exit timeout: cancelled requests send their final
 # responses and the model unloads in that time, so Triton never hits "Exit timeout expired"
 DRAIN_MARGIN_S = 5.0
+# seconds Triton's Python backend waits for a stub to start (its default, 30, is short for a stub that starts on a
+# busy machine: issue 62)
+STUB_TIMEOUT_S = 120
 # how long stop() waits for the kernel to remove tritonserver after SIGKILL, and how often it looks
 KILL_WAIT_S = 10.0
 REAP_POLL_S = 0.05
@@ -161,6 +166,7 @@ class TritonServer:
         self._log_handle = None
         self._stub_regions: set[str] = set()
         self._stubs: dict[int, str] = {}  # pid -> its /proc start time, to tell a reused pid apart
+        self._hidden_file: Path | None = None  # the admin key's file, until tritonserver has read it
         self.forced = False  # stop() was cut short by a second Ctrl-C
 
     # -- endpoints --------------------------------------------------------
@@ -192,15 +198,19 @@ class TritonServer:
                f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
                f"--http-address={self.host}", f"--grpc-address={self.host}", f"--metrics-address={self.host}",
                "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
-               f"--exit-timeout-secs={self.exit_timeout_s}"]
-        if self.admin_key:
-            # Triton's syntax is <apis>:<header>=<value> (its --help shows a comma)
-            apis = ",".join(ADMIN_APIS)
-            cmd += [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
-                    f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
+               f"--exit-timeout-secs={self.exit_timeout_s}",
+               f"--backend-config=python,stub-timeout-seconds={STUB_TIMEOUT_S}"]
         if backend_directory is not None:
             cmd.append(f"--backend-directory={backend_directory}")
         return cmd + list(self.extra_args)
+
+    def admin_args(self) -> list[str]:
+        """The options that restrict the admin APIs to the key: tritonserver gets them off its command line."""
+        if not self.admin_key:
+            return []
+        apis = ",".join(ADMIN_APIS)  # Triton's syntax is <apis>:<header>=<value> (its --help shows a comma)
+        return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
+                f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -255,11 +265,31 @@ class TritonServer:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
             self._log_handle = open(self.log_file, "ab")
         out = self._log_handle if self._log_handle is not None else None
+        env, command = self.environment(), self.command(backend_directory)
+        command += self._admin_args_off_the_command_line(env)
         # a session of its own: a terminal's Ctrl-C reaches us, and we forward it (stop())
-        self.process = subprocess.Popen(self.command(backend_directory), env=self.environment(), stdout=out,
+        self.process = subprocess.Popen(command, env=env, stdout=out,
                                         stderr=subprocess.STDOUT if out is not None else None,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         return self
+
+    def _admin_args_off_the_command_line(self, env: dict[str, str]) -> list[str]:
+        """Hand the admin options to tritonserver through a private file (``env`` set to preload the library that
+        reads it); returns the options that must go on the command line instead: none, unless they cannot be
+        hidden here, which is said."""
+        args = self.admin_args()
+        reason = hidden_args.unavailable_reason(self.install.binary) if args else None
+        if args and reason is None:
+            try:
+                library = hidden_args.build_library(cache_root() / "native")
+                self._hidden_file = hidden_args.hide(args, self._workdir, env, library)
+                return []
+            except hidden_args.HiddenArgsUnavailable as exc:
+                reason = str(exc)
+        if reason:
+            _say(f"{reason}: tritonserver's admin key goes on its command line, where every local user can read it")
+            return args
+        return []
 
     def log_tail(self, chars: int = 4000) -> str:
         if self.log_file is None or not self.log_file.exists():
@@ -282,6 +312,7 @@ class TritonServer:
                 raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was ready"
                                   + self._tail_note())
             if self.is_ready():
+                self._refuse_unread_admin_key()
                 self._note_stubs()
                 # Triton runs a short-lived stub per model during loading (its config auto-complete step) before
                 # the one that serves; only the stubs alive now are the serving ones whose death means a fault.
@@ -291,6 +322,14 @@ class TritonServer:
                 raise ServerError(f"tritonserver was not ready after {timeout_s:.0f} s (a Python backend stub that "
                                   "cannot start hangs the model load)" + self._tail_note())
             time.sleep(0.25)
+
+    def _refuse_unread_admin_key(self) -> None:
+        """A tritonserver that answers with the admin key's file still there never read it (a statically linked
+        binary ignores the preloaded library): its admin APIs are open, so it is stopped."""
+        if self._hidden_file is not None and self._hidden_file.exists():
+            self.stop(timeout_s=30)
+            raise ServerError(f"{self.install.binary} did not read its admin key (was it linked statically?); "
+                              "stopped, as its admin APIs were open")
 
     def _tail_note(self) -> str:
         tail = self.log_tail()

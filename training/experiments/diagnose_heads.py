@@ -134,13 +134,13 @@ def summarise(stats: list[DepthStats], h0_stats: DepthStats) -> dict:
 
 def diagnose(drafter, target, records: list[dict], seed: int = 0, progress: bool = True) -> dict:
     """:func:`summarise` of :func:`measure_conversation` over every record (a greedy answer of the target)."""
-    from tqdm import tqdm
+    from clover.progress import progress_bar
 
     generator = torch.Generator().manual_seed(seed)
     stats = [DepthStats() for _ in range(drafter.config.num_heads)]
     h0_stats = DepthStats()
     with torch.no_grad():
-        for record in tqdm(records, desc="diagnose", unit="answer", disable=not progress, dynamic_ncols=True):
+        for record in progress_bar(records, desc="diagnose", unit="answer", enabled=progress, dynamic_ncols=True):
             measure_conversation(drafter, target, conversation_batch(target, record), stats, h0_stats, generator)
     return summarise(stats, h0_stats)
 

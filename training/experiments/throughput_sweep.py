@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from clover.progress import progress_bar
 from training.experiments import cost_probe
 
 DRY_RUN = dict(shape="tiny", device="cpu", batch_tokens="256,512", autocast="none", target_dtype="fp32",
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.dry_run:
         vars(args).update(DRY_RUN)
-    rows = [run_one(args, setting) for setting in tqdm(settings(args), desc="settings", unit="setting")]
+    rows = [run_one(args, setting) for setting in progress_bar(settings(args), desc="settings", unit="setting")]
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m training.experiments.throughput_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
