@@ -125,8 +125,7 @@ class OnnxRuntimeEngine:
         self.native = CpuInt8Target.open(self.engine_dir, self.meta, threads) if files.get("target_native") else None
         if self.native is not None:  # target.onnx stays the fallback where the kernel cannot run
             # the decode loop's own torch ops are small (argmax, gathers); torch's OpenMP threads spin after each
-            # one on the core the kernel's helper thread needs (2 cores, 2026-12-07: defaults 150 tok/s with them,
-            # 159-176 with one torch thread, /tmp/prof_defaults.py in docs/results/trees-one-pass)
+            # one on the core the kernel's helper thread needs (docs/results/trees-one-pass/host_threads.py)
             torch.set_num_threads(1)
             self.target_session = self.batched_session = None
             self.in_place, self.runs_batched_trees_apart = True, False  # several trees run in one pass
