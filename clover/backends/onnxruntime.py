@@ -124,8 +124,9 @@ class OnnxRuntimeEngine:
 
         self.native = CpuInt8Target.open(self.engine_dir, self.meta, threads) if files.get("target_native") else None
         if self.native is not None:  # target.onnx stays the fallback where the kernel cannot run
-            # the decode loop's own torch ops are small (argmax, gathers); torch's OpenMP threads spin after each
-            # one on the core the kernel's helper thread needs (docs/results/trees-one-pass/host_threads.py)
+            # the decode loop's own torch ops are small (argmax, gathers), and torch's OpenMP threads spin after
+            # each one (GOMP's default wait policy) on the core the kernel's helper thread needs; the gain is
+            # within this machine's noise (docs/results/trees-one-pass/README.md#host-threads)
             torch.set_num_threads(1)
             self.target_session = self.batched_session = None
             self.in_place, self.runs_batched_trees_apart = True, False  # several trees run in one pass
