@@ -23,6 +23,7 @@
 #include <cstring>
 #include <functional>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -480,22 +481,138 @@ inline void group_rows(const Packed& w, int g, const Activations& a, int r0, flo
     group_q8_0<R>(w, g, a, r0, out, ldo, acc);
 }
 
-// every row over column groups [g0, g1): a group's blocks stay in L1 while the row tiles pass over them
-void matmul_groups(const Packed& w, const Activations& a, int rows, float* out, int64_t ldo, bool acc, int g0, int g1) {
-  for (int g = g0; g < g1; ++g) {
-    int r = 0;
-    for (; r + kRowTile <= rows; r += kRowTile) group_rows<kRowTile>(w, g, a, r, out, ldo, acc);
-    switch (rows - r) {
-      case 7: group_rows<7>(w, g, a, r, out, ldo, acc); break;
-      case 6: group_rows<6>(w, g, a, r, out, ldo, acc); break;
-      case 5: group_rows<5>(w, g, a, r, out, ldo, acc); break;
-      case 4: group_rows<4>(w, g, a, r, out, ldo, acc); break;
-      case 3: group_rows<3>(w, g, a, r, out, ldo, acc); break;
-      case 2: group_rows<2>(w, g, a, r, out, ldo, acc); break;
-      case 1: group_rows<1>(w, g, a, r, out, ldo, acc); break;
-      default: break;
+#if defined(CLOVER_AVX512_VNNI)
+// Groups g and g + 1 side by side in 512-bit registers: one broadcast of 4 activations serves 16 columns, and one
+// convert, multiply and fmadd cover them. Each lane runs the operations group_q4_1 / group_q8_0 run for its
+// column, in the same order (vector lanes never mix), so a column's bits do not depend on which kernel ran it.
+
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512 scales_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)),
+                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
+}
+
+inline __m512i broadcast4x16(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline void store_pair(float* out, __m512 v, int valid, bool accumulate) {
+  store_group(out, _mm512_castps512_ps256(v), valid, accumulate);
+  store_group(out + kGroup, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), valid - kGroup, accumulate);
+}
+
+template <int R>
+void group_pair_q4_1(const Packed& w, int g, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R], mins[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), mins[r] = _mm512_setzero_ps();
+  const int8_t* xq = a.q_tile(r0);
+  const float* xd = a.d + a.scale_tile(r0);
+  const float* xs = a.s + a.scale_tile(r0);
+  for (int b = 0; b < w.blocks(); ++b, xq += kRowTile * kBlock, xd += kRowTile, xs += kRowTile) {
+    prefetch_ahead(w, g, b);
+    prefetch_ahead(w, g + 1, b);
+    const uint8_t* pa = w.block(g, b);
+    const uint8_t* pb = w.block(g + 1, b);
+    const __m512 d = scales_pair(pa, pb), m = scales_pair(pa + 16, pb + 16);
+    __m512i lo[4], hi[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m512i raw = load_pair(pa + 32 + 32 * i, pb + 32 + 32 * i);
+      lo[i] = _mm512_and_si512(raw, low);
+      hi[i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+#pragma GCC unroll 8  // unrolled, the accumulators stay in registers
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * kBlock;
+      __m512i s[4];
+      for (int i = 0; i < 4; ++i) s[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], broadcast4x16(x + 4 * i));
+      for (int i = 0; i < 4; ++i) s[i] = _mm512_dpbusd_epi32(s[i], hi[i], broadcast4x16(x + 16 + 4 * i));
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3])));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[r])), sums, acc[r]);
+      mins[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r]), mins[r]);
     }
   }
+  for (int r = 0; r < R; ++r)
+    store_pair(out + (r0 + r) * ldo + g * kGroup, _mm512_add_ps(acc[r], mins[r]), w.n - g * kGroup, accumulate);
+}
+
+template <int R>
+void group_pair_q8_0(const Packed& w, int g, const Activations& a, int r0, float* out, int64_t ldo, bool accumulate) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* xq = a.q_tile(r0);
+  const float* xd = a.d + a.scale_tile(r0);
+  const int32_t* xsum = a.sums + a.scale_tile(r0);
+  for (int b = 0; b < w.blocks(); ++b, xq += kRowTile * kBlock, xd += kRowTile, xsum += kRowTile) {
+    prefetch_ahead(w, g, b);
+    prefetch_ahead(w, g + 1, b);
+    const uint8_t* pa = w.block(g, b);
+    const uint8_t* pb = w.block(g + 1, b);
+    const __m512 d = scales_pair(pa, pb);
+    __m512i q[8];
+    for (int i = 0; i < 8; ++i) q[i] = _mm512_xor_si512(load_pair(pa + 16 + 32 * i, pb + 16 + 32 * i), flip);
+#pragma GCC unroll 8  // unrolled, the accumulators stay in registers
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * kBlock;
+      __m512i s[4] = {_mm512_set1_epi32(-128 * xsum[r]), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+      for (int i = 0; i < 8; ++i) s[i % 4] = _mm512_dpbusd_epi32(s[i % 4], q[i], broadcast4x16(x + 4 * i));
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3])));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[r])), sums, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_pair(out + (r0 + r) * ldo + g * kGroup, acc[r], w.n - g * kGroup, accumulate);
+}
+
+template <int R>
+inline void pair_rows(const Packed& w, int g, const Activations& a, int r0, float* out, int64_t ldo, bool acc) {
+  if (w.format == kFormatQ41)
+    group_pair_q4_1<R>(w, g, a, r0, out, ldo, acc);
+  else
+    group_pair_q8_0<R>(w, g, a, r0, out, ldo, acc);
+}
+#endif
+
+// rows [0, rows) of group g (and g + 1 where `pair`, on the AVX-512 path) in tiles of kRowTile, then the rest
+template <bool Pair>
+void tiles_of_rows(const Packed& w, int g, const Activations& a, int rows, float* out, int64_t ldo, bool acc) {
+#if defined(CLOVER_AVX512_VNNI)
+  auto run = [&](auto tile, int r) {
+    if constexpr (Pair) pair_rows<decltype(tile)::value>(w, g, a, r, out, ldo, acc);
+    else group_rows<decltype(tile)::value>(w, g, a, r, out, ldo, acc);
+  };
+#else
+  auto run = [&](auto tile, int r) { group_rows<decltype(tile)::value>(w, g, a, r, out, ldo, acc); };
+#endif
+  int r = 0;
+  for (; r + kRowTile <= rows; r += kRowTile) run(std::integral_constant<int, kRowTile>{}, r);
+  switch (rows - r) {
+    case 7: run(std::integral_constant<int, 7>{}, r); break;
+    case 6: run(std::integral_constant<int, 6>{}, r); break;
+    case 5: run(std::integral_constant<int, 5>{}, r); break;
+    case 4: run(std::integral_constant<int, 4>{}, r); break;
+    case 3: run(std::integral_constant<int, 3>{}, r); break;
+    case 2: run(std::integral_constant<int, 2>{}, r); break;
+    case 1: run(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
+// every row over column groups [g0, g1): a group's blocks stay in L1 while the row tiles pass over them
+void matmul_groups(const Packed& w, const Activations& a, int rows, float* out, int64_t ldo, bool acc, int g0, int g1) {
+  int g = g0;
+#if defined(CLOVER_AVX512_VNNI)
+  if (rows >= 4)  // a lone row (a vanilla step) runs faster one group at a time (docs/results/trees-one-pass)
+    for (; g + 2 <= g1; g += 2) tiles_of_rows<true>(w, g, a, rows, out, ldo, acc);
+#endif
+  for (; g < g1; ++g) tiles_of_rows<false>(w, g, a, rows, out, ldo, acc);
 }
 
 // ---------------------------------------------------------------------------------------------------------
