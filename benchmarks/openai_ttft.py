@@ -39,8 +39,9 @@ def grpc_ttft(client: GrpcClient, prompt: str, max_tokens: int) -> float:
     return first
 
 
-def openai_stream(client, model: str, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
-    """(seconds to the first token, the answer's token ids) of one greedy streamed chat request."""
+def openai_stream(client, model: str, prompt: str, max_tokens: int) -> tuple[float, list[int], float]:
+    """(seconds to the first token, the answer's token ids, seconds to the end) of one greedy streamed chat
+    request."""
     start = time.perf_counter()
     first, ids = None, []
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
@@ -51,16 +52,16 @@ def openai_stream(client, model: str, prompt: str, max_tokens: int) -> tuple[flo
         if new and first is None:
             first = time.perf_counter() - start
         ids += new or []
-    return first, ids
+    return first, ids, time.perf_counter() - start
 
 
 def openai_ttft(client, model: str, prompt: str, max_tokens: int) -> float:
     return openai_stream(client, model, prompt, max_tokens)[0]
 
 
-def burst(client, model: str, prompts: list[str], max_tokens: int) -> tuple[float, list[tuple[float, list[int]]]]:
+def burst(client, model: str, prompts: list[str], max_tokens: int) -> tuple[float, list[tuple]]:
     """All ``prompts`` streamed at once, one thread each, released together; (wall seconds, each stream's
-    (first-token seconds, token ids)) in the order of ``prompts``."""
+    :func:`openai_stream` result) in the order of ``prompts``."""
     results: list = [None] * len(prompts)
     gate = threading.Barrier(len(prompts) + 1)
 
@@ -78,14 +79,30 @@ def burst(client, model: str, prompts: list[str], max_tokens: int) -> tuple[floa
     return time.perf_counter() - start, results
 
 
-def burst_summary(wall: float, results: list[tuple[float, list[int]]], solo: list[list[int]]) -> dict:
+def burst_summary(wall: float, results: list[tuple], solo: list[list[int]]) -> dict:
     """``solo``: each stream's solo answer, to compare with."""
-    firsts = sorted(first for first, _ in results)
+    firsts = sorted(first for first, _, _ in results)
     median = statistics.median(firsts)
     return {"streams": len(results), "first_stream_ttft_s": round(firsts[0], 3), "median_ttft_s": round(median, 3),
             "last_ttft_s": round(firsts[-1], 3), "median_over_last": round(median / firsts[-1], 3),
-            "wall_s": round(wall, 3), "equal_to_solo": sum(ids == want for (_, ids), want in zip(results, solo)),
-            "ttfts_s": [round(first, 3) for first in firsts]}
+            "wall_s": round(wall, 3), "equal_to_solo": sum(ids == want for (_, ids, _), want in zip(results, solo)),
+            "output_tokens": sum(len(ids) for _, ids, _ in results), "ttfts_s": [round(first, 3) for first in firsts],
+            "ends_s": sorted(round(end, 3) for _, _, end in results)}
+
+
+COUNTERS = ("clover_batch_steps_total", "clover_sequence_steps_total", "clover_draft_tokens_total",
+            "clover_accepted_draft_tokens_total")
+
+
+def read_counters(metrics_url: str | None) -> dict[str, float]:
+    """The model's step and draft counters from Triton's ``/metrics`` (nothing without a URL)."""
+    if not metrics_url:
+        return {}
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.split("{")[0] in COUNTERS}
 
 
 def run_bursts(client, args) -> dict:
@@ -99,9 +116,13 @@ def run_bursts(client, args) -> dict:
     sent = [prompts[i % len(prompts)] for i in range(args.burst)]
     bursts = []
     for _ in range(args.bursts):
+        before = read_counters(args.metrics_url)
         wall, results = burst(client, args.model, sent, args.max_tokens)
         bursts.append(burst_summary(wall, results, [solo[p][1] for p in sent]))
-    solo_ttfts = [first for first, _ in solo.values()]
+        after = read_counters(args.metrics_url)  # the server's counters over this burst alone
+        bursts[-1]["server_counters"] = {name.removeprefix("clover_").removesuffix("_total"): after[name] - before[name]
+                                         for name in after}
+    solo_ttfts = [first for first, _, _ in solo.values()]
     summary = {"prompts": len(prompts), "max_tokens": args.max_tokens,
                "solo_ttft_s": {"median": round(statistics.median(solo_ttfts), 3), "min": round(min(solo_ttfts), 3),
                                "max": round(max(solo_ttfts), 3)}, "bursts": bursts}
@@ -126,6 +147,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--burst", type=int, default=0, help="streams sent at once (0: the paired runs instead)")
     parser.add_argument("--bursts", type=int, default=2, help="with --burst: bursts, one after the other")
+    parser.add_argument("--metrics-url", help="with --burst: Triton's metrics, e.g. http://localhost:8002/metrics, "
+                        "for the model's step and draft counters over each burst")
     parser.add_argument("--prompts-file", help="with --burst: one prompt a line (default: clover.bench's 8 prompts)")
     args = parser.parse_args()
     import openai
