@@ -779,6 +779,20 @@ def test_triton_model_load_errors_name_the_problem(tmp_path, tiny_engine_dir):
         CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, adaptive="true"))
     with pytest.raises(ConfigError, match="adaptive=true needs draft heads"):
         CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, adaptive="true", method="vanilla"))
+    with pytest.raises(ConfigError, match=r"max_step_tokens must be >= 0 \(0: no cap\), got -1"):
+        CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, max_step_tokens="-1", warm_up="false"))
+
+
+@pytest.mark.parametrize("value, cap", [("", int(PARAMETERS["max_step_tokens"][0])), ("0", None), ("40", 40)])
+def test_max_step_tokens_reaches_the_serving_decoder(tiny_engine_dir, value, cap):
+    from clover.serving.triton_model import CloverTritonModel
+
+    params = {"max_step_tokens": value} if value else {}  # "": the default of PARAMETERS
+    model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1", warm_up="false", **params))
+    try:
+        assert model.batcher.decoder.max_step_tokens == cap
+    finally:
+        model.finalize()
 
 
 def test_default_engine_dir(monkeypatch, tmp_path):
