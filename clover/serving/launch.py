@@ -78,8 +78,8 @@ class _SigtermAsInterrupt:
 
 
 def serve(engine: str | Path | None = None, *, backend: str = "auto", method: str = "auto", max_batch: int = 0,
-          max_step_tokens: int | None = None, tree_budget: int | None = None, adaptive: bool | None = None, proposer: str = "auto", threads: int = 0,
-          dtype: str = "auto", host: str = "127.0.0.1",
+          max_step_tokens: int | None = None, tree_budget: int | None = None, adaptive: bool | None = None,
+          proposer: str = "auto", threads: int = 0, dtype: str = "auto", host: str = "127.0.0.1",
           http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
           model_repository: str | Path | None = None, startup_timeout_s: float = 600.0,
           log_file: str | Path | None = None, out: TextIO = sys.stdout, openai_port: int | None = None,

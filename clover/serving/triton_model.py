@@ -84,6 +84,7 @@ class CloverTritonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ConfigError(f"model {self.name}: config.pbtxt must set model_transaction_policy {{ decoupled: true }}")
         params = model_parameters(config)
+        max_step_tokens = _step_token_cap(params)  # checked before the engine's load, which takes a while
         model_dir = Path(args.get("model_repository", "."))
         engine_dir = resolve_engine_dir(params["engine_dir"], model_dir.parent.parent)
         start = time.perf_counter()
@@ -105,7 +106,6 @@ class CloverTritonModel:
         self.prometheus = _PrometheusMetrics(pb_utils, labels) if hasattr(pb_utils, "MetricFamily") else None
 
         made = []
-        max_step_tokens = _step_token_cap(params)
 
         def make_decoder() -> SpeculativeDecoder:
             decoder_class = SpeculativeDecoder
@@ -127,7 +127,8 @@ class CloverTritonModel:
         warmed = (f"; {self.warm_up.describe()}" if self.warm_up is not None else
                   "; no warm-up (tensor parallel)" if loaded.tensor_parallel > 1 else "; no warm-up (warm_up=false)")
         self._log(f"clover: {self.name} serves {loaded.description} with {loaded.method} decoding, "
-                  f"in-flight batch up to {loaded.max_batch}, {_describe_cap(max_step_tokens)}, context {self.limits.max_seq_len} tokens "
+                  f"in-flight batch up to {loaded.max_batch}, {_describe_cap(max_step_tokens)}, "
+                  f"context {self.limits.max_seq_len} tokens "
                   f"(loaded in {time.perf_counter() - start:.1f} s{warmed})")
 
     def _log(self, message: str) -> None:
