@@ -444,6 +444,10 @@ def add_serve_parser(subparsers) -> None:
                    help="model-free candidates merged into the heads' tree; auto: the engine's tree defaults "
                         "(suffix unless its engine.json says otherwise); none: the heads alone")
     p.add_argument("--max-batch", type=int, default=0, help="sequences decoded together at most (0: the engine's limit)")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="prompt tokens one step prefills, plus one per decoding sequence, at most (vLLM's "
+                        "max_num_batched_tokens): a burst streams its first tokens a few prompts at a time; "
+                        "0: no cap; default: the model parameter's (docs/serving.md#first-tokens-under-a-burst)")
     p.add_argument("--tree-budget", type=int, default=None, help=TREE_BUDGET_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose each step's tree budget (0 to --tree-budget) from the number of live sequences "
@@ -514,7 +518,7 @@ def cmd_serve(args) -> int:
         raise ConfigError("--dtype sets the torch backend's weights; add --backend torch (a built engine has its own "
                           "precision)")
     return serve(args.engine, backend=args.backend, method=args.method, max_batch=args.max_batch,
-                 tree_budget=args.tree_budget, adaptive=args.adaptive, proposer=args.proposer, threads=args.threads,
+                 max_step_tokens=args.max_step_tokens, tree_budget=args.tree_budget, adaptive=args.adaptive, proposer=args.proposer, threads=args.threads,
                  dtype=args.dtype, host=args.host, http_port=args.http_port,
                  grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_repository=args.model_repository,
                  startup_timeout_s=args.startup_timeout, log_file=args.log_file, openai_port=args.openai_port,

@@ -2,8 +2,9 @@
 
 :class:`SpeculativeDecoder` keeps a batch of live sequences with a shared
 :class:`~clover.kv_cache.KVCache`. Each :meth:`~SpeculativeDecoder.step`
-prefills newly submitted requests, then runs one decode step for every live
-sequence: propose the token trees (the method's :class:`~clover.proposers.Proposer`),
+prefills newly submitted requests (in arrival order, as many as
+:func:`~clover.scheduling.prompts_to_admit` lets one step take), then runs one
+decode step for every live sequence: propose the token trees (the method's :class:`~clover.proposers.Proposer`),
 verify them in one ``target`` pass, accept, write the accepted tokens' K/V, emit
 tokens, stop sequences. New requests join between steps (in-flight batching);
 finished or cancelled ones leave at once. The loop never asks which method it
@@ -33,6 +34,7 @@ from clover.host_ops import as_numpy, cpu_tensor, take_rows
 from clover.prompts import refuse_empty_prompt
 from clover.methods import check_method, method_traits, suffix_candidates_on, uses_heads
 from clover.proposers import Proposer, make_proposer
+from clover.scheduling import prompts_to_admit
 from clover.tree import TreeBatch
 from clover.verify import Accepted, greedy_accept, sample_token, sampling_accept
 
@@ -218,6 +220,9 @@ class SpeculativeDecoder:
         prefill_chunk_tokens: padded prompt tokens per prefill call at most
             (prompts are grouped by length): bounds the ``[B, T, vocab]``
             logits and the padding waste when many requests join at once.
+        max_step_tokens: prompt tokens one step prefills, plus one per sequence already decoding, at most
+            (vLLM's ``max_num_batched_tokens``; :mod:`clover.scheduling`): a burst is prefilled a chunk per
+            step, with decode steps between. None: every waiting request that has a batch row, in one step.
         cost_model: step times for adaptive trees (``tree.adaptive``); default
             the engine's ``cost_model`` (calibrated by ``build_engine --calibrate``).
         step_timing: let the adaptive chooser correct the cost model with the measured times of its
@@ -226,7 +231,8 @@ class SpeculativeDecoder:
 
     def __init__(self, engine: Engine, method: str = "clover", tree: TreeConfig | None = None,
                  tokenizer=None, max_batch_size: int = 64, cost_model: CostModel | None = None,
-                 prefill_chunk_tokens: int = 2048, step_timing: bool = True) -> None:
+                 prefill_chunk_tokens: int = 2048, step_timing: bool = True,
+                 max_step_tokens: int | None = None) -> None:
         spec = engine.spec
         self.engine, self.method = engine, method
         self.tree = tree or TreeConfig()
@@ -234,6 +240,9 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        if max_step_tokens is not None and max_step_tokens < 1:
+            raise ConfigError(f"max_step_tokens must be >= 1 (or None: no cap), got {max_step_tokens}")
+        self.max_step_tokens = max_step_tokens
         self.cache = KVCache(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, spec.max_seq_len, spec.dtype,
                              device=spec.device)
         # model-free candidates, calibrated against the heads' per depth (docs/trees.md#model-free-candidates)
@@ -339,17 +348,35 @@ class SpeculativeDecoder:
     def num_running(self) -> int:
         return len(self._running)
 
-    def step(self) -> list[StepEvent]:
-        """Admit and prefill waiting requests, then one decode step for all live sequences."""
+    @property
+    def num_waiting(self) -> int:
+        """Submitted requests not prefilled yet."""
+        return len(self._pending)
+
+    def step(self, on_prefill: Callable[[list[StepEvent]], None] | None = None) -> list[StepEvent]:
+        """Prefill the waiting requests this step admits, then one decode step for all live sequences.
+
+        ``on_prefill`` receives each prompt pass's events (the admitted requests' first tokens) as soon as that
+        pass ends, before the decode step, so a server can stream them at once; those events are then not in
+        the list returned. Without it, every event of the step is returned.
+        """
         events = self._drop_cancelled()
-        room = self.max_batch_size - len(self._running)
-        if room > 0 and self._pending:
-            admitted, self._pending = self._pending[:room], self._pending[room:]
-            for chunk in self._prefill_chunks(admitted):
-                events += self._prefill(chunk)
+        for chunk in self._prefill_chunks(self._admit()):
+            prefilled = self._prefill(chunk)
+            if on_prefill is None:
+                events += prefilled
+            else:
+                on_prefill(prefilled)
         if self._running:
             events += self._decode_step()
         return events
+
+    def _admit(self) -> list[_Sequence]:
+        """The waiting requests this step prefills, oldest first (:func:`~clover.scheduling.prompts_to_admit`)."""
+        count = prompts_to_admit([len(s.request.prompt_ids) for s in self._pending],
+                                 self.max_batch_size - len(self._running), len(self._running), self.max_step_tokens)
+        admitted, self._pending = self._pending[:count], self._pending[count:]
+        return admitted
 
     def generate(self, requests: Iterable[GenerationRequest],
                  on_event: Callable[[StepEvent], None] | None = None) -> list[SequenceResult]:

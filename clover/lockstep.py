@@ -113,10 +113,11 @@ class LockstepDecoder(SpeculativeDecoder):
     decode step itself is the base class's, unchanged."""
 
     def __init__(self, engine, method: str = "clover", tree: TreeConfig | None = None, tokenizer=None,
-                 max_batch_size: int = 64, prefill_chunk_tokens: int = 2048) -> None:
+                 max_batch_size: int = 64, prefill_chunk_tokens: int = 2048,
+                 max_step_tokens: int | None = None) -> None:
         self.leads = dist.get_rank() == 0
         settings = _broadcast(dict(method=method, tree=tree, max_batch_size=max_batch_size,
-                                   prefill_chunk_tokens=prefill_chunk_tokens,
+                                   prefill_chunk_tokens=prefill_chunk_tokens, max_step_tokens=max_step_tokens,
                                    cost_model=getattr(engine, "cost_model", None)) if self.leads else None)
         # step_timing off: measured times differ per rank, and the budget they choose must not
         super().__init__(engine, tokenizer=tokenizer, step_timing=False, **settings)
@@ -132,11 +133,12 @@ class LockstepDecoder(SpeculativeDecoder):
         super().cancel(seq_id)
         self._cancels.append(seq_id)
 
-    def step(self):
+    def step(self, on_prefill=None):
         if self.leads:  # the followers apply the same changes, so their sequence ids match
             _broadcast((self._submitted, self._cancels))
             self._submitted, self._cancels = [], []
-        return super().step()
+        # on_prefill only delivers events early: every rank admits and computes the same either way
+        return super().step(on_prefill)
 
     def release(self) -> None:
         """Rank 0: end the followers' :meth:`follow` of this decoder (the next one may start)."""

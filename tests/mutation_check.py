@@ -104,6 +104,13 @@ MUTANTS = (
            (Patch("clover/serving/openai_frontend.py", "self.loop.call_later(self.drain_s, self.expired.set)",
                   "self.loop.call_soon(self.expired.set)"),),
            ("tests/test_openai_frontend.py",)),
+    Mutant("burst_prefilled_at_once", "a step admits every waiting request, ignoring max_step_tokens",
+           (Patch("clover/decode.py", "len(self._running), self.max_step_tokens)", "len(self._running), None)"),),
+           ("tests/test_scheduling.py",)),
+    Mutant("first_tokens_after_decode", "the batcher sends a step's first tokens only after its decode pass",
+           (Patch("clover/serving/batcher.py", "events = self.decoder.step(on_prefill=self._take_events)",
+                  "events = self.decoder.step()"),),
+           ("tests/test_scheduling.py",)),
     Mutant("cpu_target_one_row_kernel", "the exact int8 target's matmul rounds a lone row's Q4_1 minimum term "
                                         "otherwise than a row in a tile of several (as MLAS's M = 1 kernel does)",
            (Patch("clover/kernels/cpu_target.cpp",

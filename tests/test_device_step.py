@@ -465,9 +465,11 @@ def test_heads_and_suffix_candidates_on_the_device_equal_transformers_generate(s
     assert [r.token_ids for r in results] == hf_greedy(target, prompts, 48)
 
 
-def test_concurrent_served_requests_on_the_device_engine_equal_their_solo_greedy_decoding(tmp_path):
+@pytest.mark.parametrize("max_step_tokens", [None, 24])
+def test_concurrent_served_requests_on_the_device_engine_equal_their_solo_greedy_decoding(tmp_path, max_step_tokens):
     """The serving loop (the in-flight batcher that Triton's model and the OpenAI endpoint drive) on the device
-    engine of a checkpoint: requests from threads, joining a running batch, each equal to generate() alone."""
+    engine of a checkpoint: requests from threads, joining a running batch (with a step cap: one or two prompts a
+    step, the device's prompt passes of one or two rows), each equal to generate() alone."""
     import threading
 
     from clover.serving.batcher import InflightBatcher
@@ -487,7 +489,8 @@ def test_concurrent_served_requests_on_the_device_engine_equal_their_solo_greedy
                 finished[i].set()
         return on_update
 
-    decoder = lambda: SpeculativeDecoder(engine, "clover", TreeConfig(budget=4), max_batch_size=4)  # noqa: E731
+    decoder = lambda: SpeculativeDecoder(engine, "clover", TreeConfig(budget=4), max_batch_size=4,  # noqa: E731
+                                         max_step_tokens=max_step_tokens)
     with InflightBatcher(decoder) as batcher:
         threads = [threading.Thread(target=batcher.submit, args=(
             GenerationRequest(p, max_new_tokens=n, stop_token_ids=()), collect(i)))

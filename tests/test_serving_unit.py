@@ -544,8 +544,8 @@ def test_request_stats_count_the_decoders_steps(ort_engine):
         assert collector.done.wait(30)
         metrics = batcher.metrics()
     first, final = collector.updates[0].stats, collector.final.stats
-    # the prefill and the first decode step run in one step: its first update already counts that decode step
-    assert (first.output_tokens, first.decode_steps) == (1, 1)
+    # the first update is the prompt pass's token, sent before the step's decode pass (issue 62): no decode step yet
+    assert (first.output_tokens, first.decode_steps) == (1, 0)
     counts = (solo.num_steps, solo.num_draft_tokens, sum(solo.accepted_per_step))
     assert (final.decode_steps, final.draft_tokens, final.accepted_draft_tokens) == counts
     assert (metrics.sequence_steps, metrics.draft_tokens, metrics.accepted_draft_tokens) == counts
@@ -779,6 +779,20 @@ def test_triton_model_load_errors_name_the_problem(tmp_path, tiny_engine_dir):
         CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, adaptive="true"))
     with pytest.raises(ConfigError, match="adaptive=true needs draft heads"):
         CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, adaptive="true", method="vanilla"))
+    with pytest.raises(ConfigError, match=r"max_step_tokens must be >= 0 \(0: no cap\), got -1"):
+        CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, max_step_tokens="-1", warm_up="false"))
+
+
+@pytest.mark.parametrize("value, cap", [("", int(PARAMETERS["max_step_tokens"][0])), ("0", None), ("40", 40)])
+def test_max_step_tokens_reaches_the_serving_decoder(tiny_engine_dir, value, cap):
+    from clover.serving.triton_model import CloverTritonModel
+
+    params = {"max_step_tokens": value} if value else {}  # "": the default of PARAMETERS
+    model = CloverTritonModel(FakePbUtils, _args(tiny_engine_dir, threads="1", warm_up="false", **params))
+    try:
+        assert model.batcher.decoder.max_step_tokens == cap
+    finally:
+        model.finalize()
 
 
 def test_default_engine_dir(monkeypatch, tmp_path):
@@ -940,6 +954,7 @@ def test_a_first_burst_after_load_runs_only_shapes_the_warm_up_ran(tiny_engine_d
     if warm == "false":  # the control: nothing ran at load, so the first burst ran its shapes for the first time
         assert model.warm_up is None and not at_load and not first <= at_load
         return
-    assert model.warm_up.batch_sizes == list(range(WARM_UP_BURST, 0, -1))
+    # max_step_tokens may admit the warm-up's full batch over a few steps; then one step at each size, down to 1
+    assert model.warm_up.batch_sizes[-WARM_UP_BURST:] == list(range(WARM_UP_BURST, 0, -1))
     assert {rows for rows, _ in at_load} == set(range(1, WARM_UP_BURST + 1))
     assert first <= at_load and again <= at_load, (sorted(first - at_load), sorted(again - at_load))

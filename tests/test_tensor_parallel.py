@@ -91,7 +91,7 @@ def test_tp2_greedy_equals_transformers_up_to_near_ties(tp2):
 def test_tp2_speculative_equals_its_own_vanilla(tp2):
     outputs = tp2["outputs"]
     assert outputs["clover-1"] == outputs["vanilla-1"]
-    for name in ("clover-4", "clover-heads-only-4", "suffix-4", "clover-joins"):
+    for name in ("clover-4", "clover-heads-only-4", "suffix-4", "clover-joins", "clover-capped-4"):
         assert outputs[name] == outputs["vanilla-4"], name
 
 

@@ -22,7 +22,8 @@ from tests.helpers import random_prompts
 from tests.random_models import make_drafter, make_target
 
 MAX_NEW = 24
-# (name, method, tree, prompts, joining later): batch 1 and 4, suffix candidates or none, requests that join
+# (name, method, tree, prompts, joining later[, max_step_tokens]): batch 1 and 4, suffix candidates or none,
+# requests that join, a step cap that admits the prompts one or two a step
 CASES = [
     ("vanilla-1", "vanilla", TreeConfig(), 1, 0),
     ("vanilla-4", "vanilla", TreeConfig(), 4, 0),
@@ -31,6 +32,7 @@ CASES = [
     ("clover-heads-only-4", "clover", TreeConfig(proposer="none"), 4, 0),
     ("suffix-4", "suffix", TreeConfig(), 4, 0),
     ("clover-joins", "clover", TreeConfig(), 4, 2),
+    ("clover-capped-4", "clover", TreeConfig(), 4, 0, 24),
 ]
 
 
@@ -50,9 +52,12 @@ def run_case(decoder: LockstepDecoder, prompts: list[list[int]], joining: int) -
 
     outputs: dict[int, list[int]] = {}
 
-    def step():
-        for event in decoder.step():
+    def take(events):
+        for event in events:
             outputs.setdefault(event.seq_id, []).extend(event.new_token_ids)
+
+    def step():  # first tokens through on_prefill, as the server's batcher takes them (the followers: no callback)
+        take(decoder.step(on_prefill=take))
 
     ids = [decoder.submit(request(p)) for p in prompts[: len(prompts) - joining]]
     for _ in range(3 if joining else 0):
@@ -76,11 +81,11 @@ def main() -> None:
     shard_target(target, shard, [drafter.augment])
     engine = TorchEngine(target, drafter, max_seq_len=256)
     results = {"outputs": {}, "prompts": prompts}
-    for name, method, tree, count, joining in CASES:
+    for name, method, tree, count, joining, *cap in CASES:
         if args.rank:
             LockstepDecoder(engine).follow()
             continue
-        decoder = LockstepDecoder(engine, method, tree)
+        decoder = LockstepDecoder(engine, method, tree, max_step_tokens=cap[0] if cap else None)
         results["outputs"][name] = run_case(decoder, prompts[:count], joining)
         decoder.release()
     results["rank0_bytes"], results["whole_bytes"] = sum(

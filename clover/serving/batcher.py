@@ -1,8 +1,11 @@
 """In-flight batching: one background thread drives :class:`~clover.decode.SpeculativeDecoder`.
 
 Requests arrive from any thread (:meth:`InflightBatcher.submit`). The decode
-thread admits them between steps, so a new request joins the running batch
-at the next step without waiting for the others; finished and cancelled
+thread hands them to the decoder between steps, so a new request joins the
+running batch at the next step without waiting for the others (a burst joins
+a chunk of prompts per step, in arrival order, where the decoder has a
+``max_step_tokens`` cap: :mod:`clover.scheduling`); each request's first
+token goes out as soon as its prompt pass ends; finished and cancelled
 requests leave at once. After every step each request's callback receives an
 :class:`Update` with its new tokens and the new text (text that can still
 change, such as a partial UTF-8 character or the start of a stop string, is
@@ -302,29 +305,31 @@ class InflightBatcher:
                 self.decoder.cancel(entry.seq_id)
 
     def _step(self) -> None:
-        try:
-            events = self.decoder.step()
+        try:  # first tokens go out as each prompt pass ends, before the step's decode pass (issue 62)
+            events = self.decoder.step(on_prefill=self._take_events)
         except Exception as exc:
             log.exception("clover decode step failed")
             self._fail_all(f"decode step failed: {type(exc).__name__}: {exc}")
             self.decoder = self._make_decoder()
             self._publish()
             return
+        decoded = self._take_events(events)
+        with self._metrics_lock:
+            self._metrics.batch_steps += int(decoded)
+        self._publish()
+
+    def _take_events(self, events: list[StepEvent]) -> bool:
+        """Count and deliver one batch of the decoder's events; whether any came from a decode step."""
         live = [(self._live[event.seq_id], event) for event in events if event.seq_id in self._live]
-        # a new request's prefill and its first decode step come from one step as two events: count every
-        # decode step first, so each update of this step reports the request's stats after the whole step
-        for entry, event in live:
+        for entry, event in live:  # a request has one event per batch: its prompt pass's or its decode step's
             self._count_decode_step(entry, event)
-        for entry, event in live:
             self._count_output(entry, event.new_token_ids)
             if event.finished:
                 del self._live[event.seq_id]
                 self._finish(entry, event.new_token_ids, event.finish_reason)
             elif event.new_token_ids:
                 self._deliver(entry, event.new_token_ids, finished=False, reason=None)
-        with self._metrics_lock:
-            self._metrics.batch_steps += int(any(event.decode_step for _, event in live))
-        self._publish()
+        return any(event.decode_step for _, event in live)
 
     def _count_decode_step(self, entry: _Entry, event: StepEvent) -> None:
         """Add the event's decode step, if it has one, to the request's stats and the totals."""

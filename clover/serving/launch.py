@@ -77,8 +77,8 @@ class _SigtermAsInterrupt:
 
 
 def serve(engine: str | Path | None = None, *, backend: str = "auto", method: str = "auto", max_batch: int = 0,
-          tree_budget: int | None = None, adaptive: bool | None = None, proposer: str = "auto", threads: int = 0,
-          dtype: str = "auto", host: str = "127.0.0.1",
+          max_step_tokens: int | None = None, tree_budget: int | None = None, adaptive: bool | None = None,
+          proposer: str = "auto", threads: int = 0, dtype: str = "auto", host: str = "127.0.0.1",
           http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
           model_repository: str | Path | None = None, startup_timeout_s: float = 600.0,
           log_file: str | Path | None = None, out: TextIO = sys.stdout, openai_port: int | None = None,
@@ -108,6 +108,8 @@ def serve(engine: str | Path | None = None, *, backend: str = "auto", method: st
                       "max_batch": str(max_batch), "threads": str(threads), "proposer": proposer, "dtype": dtype}
             if tree_budget is not None:
                 params["tree_budget"] = str(tree_budget)
+            if max_step_tokens is not None:  # None: the model's default (docs/serving.md#model-parameters)
+                params["max_step_tokens"] = str(max_step_tokens)
             if adaptive is not None:  # None: the model's default (adaptive where the engine has a cost model)
                 params["adaptive"] = "true" if adaptive else "false"
             params.update(_tensor_parallel_params(rendezvous, backend))

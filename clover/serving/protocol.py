@@ -84,6 +84,11 @@ PARAMETERS = {
     "proposer": ("auto", "model-free candidates merged into the heads' tree: auto (the engine's tree defaults: "
                          "suffix unless its engine.json says otherwise), suffix, or none (the heads alone)"),
     "max_batch": ("0", "sequences decoded together at most; 0: the engine's max_batch"),
+    "max_step_tokens": ("256", "prompt tokens one step prefills, plus one per sequence decoding, at most (vLLM's "
+                               "max_num_batched_tokens): a burst is prefilled a few prompts per step in arrival "
+                               "order, each streaming its first token when its own prompt pass ends, with decode "
+                               "steps between; the oldest waiting prompt always goes in (a prompt is not split); "
+                               "0: no cap, the whole burst in one step"),
     "tree_budget": ("", "draft tree nodes per step (default: the engine's tree defaults); with adaptive, the "
                         "largest budget a step may use"),
     "adaptive": ("auto", "auto: like true when the engine has a calibrated cost model (clover build "

@@ -46,6 +46,18 @@ def _int_param(params: dict, name: str, default: int | None) -> int | None:
         raise ConfigError(f"model parameter {name}={value!r} is not an integer") from None
 
 
+def _step_token_cap(params: dict) -> int | None:
+    """The decoder's ``max_step_tokens`` from the model parameter of that name (0: no cap, None)."""
+    value = _int_param(params, "max_step_tokens", 0)
+    if value < 0:
+        raise ConfigError(f"model parameter max_step_tokens must be >= 0 (0: no cap), got {value}")
+    return value or None
+
+
+def _describe_cap(max_step_tokens: int | None) -> str:
+    return f"{max_step_tokens} tokens a step at most" if max_step_tokens else "no cap on a step's tokens"
+
+
 def _auto_bool_param(params: dict, name: str) -> bool | None:
     """A boolean parameter where ``auto`` (or empty) means None: the library default decides."""
     if str(params.get(name, "")).strip().lower() in ("", "auto"):
@@ -72,6 +84,7 @@ class CloverTritonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ConfigError(f"model {self.name}: config.pbtxt must set model_transaction_policy {{ decoupled: true }}")
         params = model_parameters(config)
+        max_step_tokens = _step_token_cap(params)  # checked before the engine's load, which takes a while
         model_dir = Path(args.get("model_repository", "."))
         engine_dir = resolve_engine_dir(params["engine_dir"], model_dir.parent.parent)
         start = time.perf_counter()
@@ -102,7 +115,7 @@ class CloverTritonModel:
                 from clover.lockstep import LockstepDecoder as decoder_class
             made.append(True)
             return decoder_class(loaded.engine, loaded.method, loaded.tree, loaded.tokenizer,
-                                 max_batch_size=loaded.max_batch)
+                                 max_batch_size=loaded.max_batch, max_step_tokens=max_step_tokens)
 
         # before Triton reports the model ready: readiness means ready at speed (docs/serving.md#warm-up); not with
         # tensor-parallel ranks, which follow the one decoder rank 0 steps (a throwaway one would leave them behind)
@@ -114,7 +127,8 @@ class CloverTritonModel:
         warmed = (f"; {self.warm_up.describe()}" if self.warm_up is not None else
                   "; no warm-up (tensor parallel)" if loaded.tensor_parallel > 1 else "; no warm-up (warm_up=false)")
         self._log(f"clover: {self.name} serves {loaded.description} with {loaded.method} decoding, "
-                  f"in-flight batch up to {loaded.max_batch}, context {self.limits.max_seq_len} tokens "
+                  f"in-flight batch up to {loaded.max_batch}, {_describe_cap(max_step_tokens)}, "
+                  f"context {self.limits.max_seq_len} tokens "
                   f"(loaded in {time.perf_counter() - start:.1f} s{warmed})")
 
     def _log(self, message: str) -> None:

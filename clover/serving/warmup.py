@@ -26,8 +26,9 @@ WARM_UP_PROMPT = "Count from one to two hundred in words, one number per line."
 
 @dataclasses.dataclass
 class WarmUp:
-    """What a warm-up ran: ``batch_sizes``, the live rows of each decode step in order (``max_batch`` down to 1);
-    ``prefill_rows``, the most prompts one step admitted (the first step admits ``max_batch`` at once)."""
+    """What a warm-up ran: ``batch_sizes``, the live rows of each decode step in order (up to ``max_batch``, then down
+    to 1); ``prefill_rows``, the most prompts one step prefilled (all of ``max_batch`` at once, unless the decoder's
+    ``max_step_tokens`` admits fewer per step)."""
 
     batch_sizes: list[int] = dataclasses.field(default_factory=list)
     prefill_rows: int = 0
@@ -63,19 +64,30 @@ def _still_live(live: list[int], events: list[StepEvent]) -> list[int]:
 
 
 def warm_up(decoder: SpeculativeDecoder, prompt_ids: list[int]) -> WarmUp:
-    """Decode steps at batch sizes ``decoder.max_batch_size`` down to 1, one each, on copies of ``prompt_ids``: the
-    first step admits a full batch, then each step runs one sequence fewer (one that ended early, at the context's
-    end, is replaced). Leaves ``decoder`` with nothing to do."""
+    """Decode steps at batch sizes ``decoder.max_batch_size`` down to 1, one each at least, on copies of
+    ``prompt_ids``: a full batch is submitted at once (a decoder with a ``max_step_tokens`` cap admits it over
+    several steps, which then run at the sizes it passes through), then each step runs one sequence fewer (one that
+    ended early, at the context's end, is replaced). Leaves ``decoder`` with nothing to do."""
     request, live, done = warm_up_request(decoder, prompt_ids), [], WarmUp()
     for size in range(decoder.max_batch_size, 0, -1):
-        done.prefill_rows = max(done.prefill_rows, _hold_batch(decoder, live, size, request))
-        events = decoder.step()
-        done.batch_sizes.append(sum(event.decode_step for event in events))
-        live = _still_live(live, events)
+        _hold_batch(decoder, live, size, request)
+        live = _step_until_admitted(decoder, live, done)
     _hold_batch(decoder, live, 0, request)
     while decoder.has_work:  # drops the cancelled rows
         decoder.step()
     return done
+
+
+def _step_until_admitted(decoder: SpeculativeDecoder, live: list[int], done: WarmUp) -> list[int]:
+    """Steps until no request waits (one step at least), each recorded in ``done``; returns the rows still live."""
+    while True:
+        prefilled = []
+        events = decoder.step(on_prefill=prefilled.extend)
+        done.batch_sizes.append(sum(event.decode_step for event in events))
+        done.prefill_rows = max(done.prefill_rows, len(prefilled))
+        live = _still_live(live, prefilled + events)
+        if not decoder.num_waiting:
+            return live
 
 
 def warm_up_prompt(tokenizer) -> list[int]:
