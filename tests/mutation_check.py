@@ -114,19 +114,17 @@ MUTANTS = (
     Mutant("cpu_target_one_row_kernel", "the exact int8 target's matmul rounds a lone row's Q4_1 minimum term "
                                         "otherwise than a row in a tile of several (as MLAS's M = 1 kernel does)",
            (Patch("clover/kernels/cpu_target.cpp",
-                  "      mins[r] = _mm256_fmadd_ps(block.m, _mm256_set1_ps(a.ss(r0 + r)[b]), mins[r]);",
-                  "      mins[r] = R == 1 ? _mm256_add_ps(mins[r], _mm256_mul_ps(block.m, _mm256_set1_ps(a.ss(r0)[b])))"
-                  " : _mm256_fmadd_ps(block.m, _mm256_set1_ps(a.ss(r0 + r)[b]), mins[r]);"),),
+                  "      mins[r] = _mm256_fmadd_ps(block.m, _mm256_set1_ps(xs[r]), mins[r]);",
+                  "      mins[r] = R == 1 ? _mm256_add_ps(mins[r], _mm256_mul_ps(block.m, _mm256_set1_ps(xs[r])))"
+                  " : _mm256_fmadd_ps(block.m, _mm256_set1_ps(xs[r]), mins[r]);"),),
            EXACT),
     Mutant("cpu_target_tile_float_order", "the exact int8 target's many-row tiles of Q8_0 blocks (the LM head) "
                                           "scale the integer sums by the activation scale first, where one row "
                                           "scales the weight scale",
            (Patch("clover/kernels/cpu_target.cpp",
-                  "      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(a.ds(r0 + r)[b])), sums, acc[r]);\n"
-                  "    }\n  }\n  for (int r = 0; r < R; ++r) store_group(out + (r0 + r) * ldo + g * kGroup, acc[r],",
-                  "      acc[r] = R == 1 ? _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(a.ds(r0 + r)[b])), sums, "
-                  "acc[r]) : _mm256_fmadd_ps(block.d, _mm256_mul_ps(_mm256_set1_ps(a.ds(r0 + r)[b]), sums), acc[r]);\n"
-                  "    }\n  }\n  for (int r = 0; r < R; ++r) store_group(out + (r0 + r) * ldo + g * kGroup, acc[r],"),),
+                  "xsum[r]));\n      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(xd[r])), sums, acc[r]);",
+                  "xsum[r]));\n      acc[r] = R == 1 ? _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(xd[r])), sums, "
+                  "acc[r]) : _mm256_fmadd_ps(block.d, _mm256_mul_ps(_mm256_set1_ps(xd[r]), sums), acc[r]);"),),
            EXACT),
     Mutant("cpu_target_keys_in_slot_order", "the exact int8 target's attention reduces over a row's in-flight keys "
                                             "in reverse slot order, not in their logical (depth) order",
