@@ -124,7 +124,12 @@ MUTANTS = (
            (Patch("clover/kernels/cpu_target.cpp",
                   "xsum[r]));\n      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(xd[r])), sums, acc[r]);",
                   "xsum[r]));\n      acc[r] = R == 1 ? _mm256_fmadd_ps(_mm256_mul_ps(block.d, _mm256_set1_ps(xd[r])), sums, "
-                  "acc[r]) : _mm256_fmadd_ps(block.d, _mm256_mul_ps(_mm256_set1_ps(xd[r]), sums), acc[r]);"),),
+                  "acc[r]) : _mm256_fmadd_ps(block.d, _mm256_mul_ps(_mm256_set1_ps(xd[r]), sums), acc[r]);"),
+            Patch("clover/kernels/cpu_target.cpp",
+                  "      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[r])), sums, acc[r]);\n    }\n  }\n"
+                  "  for (int r = 0; r < R; ++r) store_pair(out + (r0 + r) * ldo + g * kGroup, acc[r],",
+                  "      acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_set1_ps(xd[r]), sums), acc[r]);\n    }\n  }\n"
+                  "  for (int r = 0; r < R; ++r) store_pair(out + (r0 + r) * ldo + g * kGroup, acc[r],")),
            EXACT),
     Mutant("cpu_target_keys_in_slot_order", "the exact int8 target's attention reduces over a row's in-flight keys "
                                             "in reverse slot order, not in their logical (depth) order",
