@@ -437,3 +437,22 @@ def test_bench_llamacpp_sweep_skips_an_engine_of_another_target(built, tmp_path)
     report = json.loads((out / "bench.json").read_text())
     assert "llamacpp" not in report["sweeps"]
     assert any("llama.cpp sweep skipped" in note for note in report["notes"])
+
+
+def test_an_engine_of_an_older_weight_layout_is_refused_in_one_line_naming_the_rebuild(tmp_path):
+    """target_native.safetensors written before the repacked layout (no layout_version: layout 1) is refused,
+    not read as if it were repacked (its bytes would then mean other weights)."""
+    from safetensors.numpy import save_file
+
+    from clover.export.native_target import FILE, native_config, read_native_target
+
+    path = tmp_path / FILE
+    save_file({"lm_head": np.zeros((4, 34), np.uint8)}, str(path), metadata={"config": json.dumps({"vocab_size": 4})})
+    assert native_config(path)["layout_version"] == 1
+    with pytest.raises(ConfigError) as refused:
+        read_native_target(path)
+    message = str(refused.value)
+    assert "\n" not in message and "layout 1" in message and f"layout {cpu_target.LAYOUT_VERSION}" in message
+    assert f"clover build --output {tmp_path}" in message
+    with pytest.raises(ValueError, match="layout"):
+        cpu_target.NativeTarget({}, {"layout_version": 1}, str(tmp_path))

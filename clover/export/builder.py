@@ -446,7 +446,8 @@ def calibrate_engine_dir(engine_dir: str | Path, max_tokens: int | None = None, 
     max_tokens = max_tokens or min(256, limits.max_batch * (1 + limits.max_tree))
     quantized = meta.target_quantization
     precision = f"{quantized['weights']} weights, {quantized['compute']} compute" if quantized else meta.dtype
-    source = f"{meta.backend} {precision} on {platform.machine()} {platform.processor() or ''}".strip()
+    runs = f"{engine.describe_runtimes()}, " if hasattr(engine, "describe_runtimes") else ""
+    source = f"{meta.backend} {precision}, {runs}on {platform.machine()} {platform.processor() or ''}".strip()
     return calibrate(engine, max_tokens=max_tokens, repeats=repeats, source=source)
 
 
