@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 from pathlib import Path
 
 from clover.progress import progress_bar
@@ -24,13 +25,24 @@ def test_a_bar_into_a_file_writes_nothing_and_still_iterates(tmp_path):
     assert log.read_text() == ""
 
 
+def _read_all(fd: int) -> str:
+    """Everything written to the terminal so far: one read of a pty returns what one write put there, not all."""
+    chunks = []
+    while select.select([fd], [], [], 0.5)[0]:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
+
+
 def test_a_bar_on_a_terminal_is_drawn_unless_disabled():
     leader, follower = os.openpty()
     try:
         with open(follower, "w", closefd=False) as terminal:
             assert _draw(terminal, enabled=False) == 50
             assert _draw(terminal) == 50
-        drawn = os.read(leader, 1 << 16).decode(errors="replace")
+        drawn = _read_all(leader)
     finally:
         os.close(leader)
         os.close(follower)
