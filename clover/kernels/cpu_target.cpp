@@ -29,7 +29,6 @@
 namespace {
 
 constexpr int kBlock = 32;           // weights / activations per quantisation block
-constexpr int kQ41Bytes = 20;        // fp16 d, fp16 m, 16 bytes of nibbles
 constexpr int kQ80Bytes = 34;        // fp16 d, 32 int8
 constexpr int kFormatQ41 = 0;
 constexpr int kFormatQ80 = 1;

@@ -31,7 +31,6 @@ KERNEL_ENV = "CLOVER_CPU_KERNEL"
 FORMATS = {"q4_1": 0, "q8_0": 1}
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 GROUP = 8  # output columns interleaved per block in the repacked layout (cpu_target.cpp: kGroup)
-PACKED_BLOCK_BYTES = {"q4_1": 16 + 16 + 4 * 32, "q8_0": 16 + 8 * 32}
 LAYOUT_VERSION = 2  # 1: GGUF rows as stored (until 2026-12-07); 2: repack()'s interleaved groups
 
 
