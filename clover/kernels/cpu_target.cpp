@@ -7,7 +7,8 @@
 // holds, where the row sits in it, or which thread runs it:
 //  - matmuls: every row runs the same micro-kernel over weights repacked 8 columns to a block, each block
 //    unpacked once for all the rows of a tile; a (row, column)'s integer sums are exact and its float chain is
-//    fixed (see "matmuls" below), whatever the tile; threads split output columns, never a reduction;
+//    fixed (see "matmuls" below), whatever the tile or register width; threads split output columns, never a
+//    reduction;
 //  - attention: a row's keys are its past in cache order, then its visible in-flight tokens in pass order
 //    (ancestors precede descendants, so that is depth order, the order they have after the commit); every
 //    reduction over keys runs in blocks fixed by logical key index;
@@ -21,7 +22,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <thread>
 #include <type_traits>
 #include <vector>
