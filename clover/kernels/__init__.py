@@ -1,4 +1,5 @@
-"""CUDA kernels of the GPU engine, as torch ops built on first use.
+"""Clover's own kernels: the CUDA kernels of the GPU engine, as torch ops built on first use, and the exact int8
+CPU target (``cpu_target.cpp``: :mod:`clover.kernels.cpu_target`, built by :mod:`clover.kernels.cpu_build`).
 
 - ``tree_attention_kernel.h/.cu``: the TreeAttention kernel (no TensorRT; trt_plugins/OP_SPEC.md).
   ``trt_plugins/`` builds its TensorRT plugin from these same sources.

@@ -35,12 +35,33 @@ class NativeUnavailable(RuntimeError):
     """The native target cannot run here; the message says why in one line."""
 
 
-def compiler() -> str | None:
-    """The C++ compiler: ``$CXX``, else g++ or c++ on the PATH."""
-    for name in filter(None, (os.environ.get("CXX"), "g++", "c++")):
+def find_compiler(variable: str, names: tuple[str, ...]) -> str | None:
+    """``$variable`` where it names a program on the PATH, else the first of ``names`` there."""
+    for name in filter(None, (os.environ.get(variable), *names)):
         if shutil.which(name):
             return name
     return None
+
+
+def compiler() -> str | None:
+    """The C++ compiler: ``$CXX``, else g++ or c++ on the PATH."""
+    return find_compiler("CXX", ("g++", "c++"))
+
+
+def compile_once(cc: str, flags: list[str], source: Path, target: Path, libraries: tuple[str, ...] = ()) -> Path:
+    """``source`` compiled by ``cc`` with ``flags`` into ``target``, unless it is there (staged and renamed, so
+    concurrent builders do not clash); NativeUnavailable (one line) where the compiler fails."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staged = Path(tmp) / target.name
+        done = subprocess.run([cc, *flags, str(source), "-o", str(staged), *libraries], capture_output=True, text=True)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise NativeUnavailable(f"{source.name} did not compile with {cc}: {first}")
+        os.replace(staged, target)
+    return target
 
 
 def compile_flags(path: str) -> list[str]:
@@ -62,19 +83,7 @@ def compile_library(directory: Path, path: str) -> Path:
     if cxx is None:
         raise NativeUnavailable("the exact int8 CPU target is compiled on first use and no C++ compiler was found "
                                 "(install g++)")
-    target = Path(directory) / library_name(path)
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        staged = Path(tmp) / target.name
-        done = subprocess.run([cxx, *compile_flags(path), str(SOURCE), "-o", str(staged)], capture_output=True,
-                              text=True)
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise NativeUnavailable(f"the exact int8 CPU target did not compile with {cxx}: {first}")
-        os.replace(staged, target)
-    return target
+    return compile_once(cxx, compile_flags(path), SOURCE, Path(directory) / library_name(path))
 
 
 def prebuilt_library(path: str) -> Path | None:

@@ -13,10 +13,9 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
+
+from clover.kernels.cpu_build import NativeUnavailable, compile_once, find_compiler
 
 SOURCE = Path(__file__).resolve().parent / "hidden_args.c"
 FLAGS = ["-O2", "-shared", "-fPIC"]
@@ -31,10 +30,7 @@ class HiddenArgsUnavailable(RuntimeError):
 
 def compiler() -> str | None:
     """The C compiler: ``$CC``, else cc or gcc on the PATH."""
-    for name in filter(None, (os.environ.get("CC"), "cc", "gcc")):
-        if shutil.which(name):
-            return name
-    return None
+    return find_compiler("CC", ("cc", "gcc"))
 
 
 def unavailable_reason(binary: Path) -> str | None:
@@ -59,18 +55,10 @@ def build_library(build_dir: Path) -> Path:
     if cc is None:
         raise HiddenArgsUnavailable("hiding arguments needs a C compiler, and none was found (install gcc)")
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    path = Path(build_dir) / f"clover_hidden_args-{digest}.so"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        staged = Path(tmp) / path.name
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(staged), "-ldl"], capture_output=True, text=True)
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise HiddenArgsUnavailable(f"{SOURCE.name} did not compile with {cc}: {first}")
-        os.replace(staged, path)
-    return path
+    try:
+        return compile_once(cc, FLAGS, SOURCE, Path(build_dir) / f"clover_hidden_args-{digest}.so", ("-ldl",))
+    except NativeUnavailable as exc:
+        raise HiddenArgsUnavailable(str(exc)) from None
 
 
 def hide(args: list[str], directory: Path, env: dict[str, str], library: Path) -> Path:
